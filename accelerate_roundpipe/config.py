@@ -1,0 +1,174 @@
+"""`RoundPipeConfig`: every engine knob, its help text and its `ROUNDPIPE_*` environment variable.
+
+This is the one module that reads the environment. `None` on a field means "the caller said nothing": the
+`ROUNDPIPE_<FIELD>` variable is used when set, otherwise the documented default. An explicit argument beats the
+environment, and the environment beats the default. Strings are normalised to their final types here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ENV_PREFIX = "ROUNDPIPE_"
+RECOMPUTE_GRAINS = ("stage", "layer")
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f")
+
+
+def str_to_bool(value: str, name: str) -> bool:
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; use one of {_TRUE + _FALSE}.")
+
+
+def to_dtype(value: Any, name: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    text = str(value).strip().lower().removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+               "fp64": "float64", "double": "float64"}
+    dtype = getattr(torch, aliases.get(text, text), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. 'bfloat16', 'float32').")
+    return dtype
+
+
+def _int_list(value: Any, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        out = [int(v) for v in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} must be a list of layer counts, e.g. '3,3,2'.") from None
+    if not out or any(v < 1 for v in out):
+        raise ValueError(f"{name}={value!r}: every stage needs at least one layer.")
+    return out
+
+
+@dataclass(kw_only=True)
+class RoundPipeConfig:
+    """Configuration of a RoundPipe engine.
+
+    Args:
+        devices (`list[str]`, env `ROUNDPIPE_DEVICES`): workers, e.g. `["cuda:0", "cuda:1"]` or `["cpu", "cpu"]`.
+            Each entry is a separate stateless worker with its own copies. Default: every visible GPU, else one CPU
+            worker.
+        num_microbatches (`int`, env `ROUNDPIPE_NUM_MICROBATCHES`): micro-batches per `forward_backward` call.
+            Default: twice the device count, lowered to the batch size for small batches.
+        microbatches_per_round (`int`, env `ROUNDPIPE_MICROBATCHES_PER_ROUND`): micro-batches each dispatched task
+            runs. Default: the device count (the smallest value with no bubble inside a round).
+        async_optimizer (`bool`, env `ROUNDPIPE_ASYNC_OPTIMIZER`): step the optimizer one iteration late, in the
+            background (staleness 1). Default: true.
+        param_dtype (`torch.dtype`, env `ROUNDPIPE_PARAM_DTYPE`): dtype of the compute copies. Default: the
+            module's own dtypes.
+        optimizer_dtype (`torch.dtype`, env `ROUNDPIPE_OPTIMIZER_DTYPE`): dtype of the optimizer copies and host
+            gradients. Default: float32, or the parameter's dtype when that is wider (float64 stays float64).
+        recompute (`str`, env `ROUNDPIPE_RECOMPUTE`): "stage" recomputes a backward stage's forward as one graph;
+            "layer" recomputes and back-propagates one layer at a time (less GPU memory, more input uploads).
+            Default: "stage".
+        forward_stages (`list[int]`, env `ROUNDPIPE_FORWARD_STAGES`): layer counts of the forward stages, bottom
+            to top, covering every layer below the fused stage. Default: planned from layer costs.
+        backward_stages (`list[int]`, env `ROUNDPIPE_BACKWARD_STAGES`): layer counts of the backward stages,
+            bottom to top; the last one is the fused stage. Default: planned from layer costs.
+        seed (`int`, env `ROUNDPIPE_SEED`): base seed of the per-layer, per-micro-batch RNG streams (dropout masks
+            are replayed exactly in recomputation). Default: `torch.initial_seed()` when the engine is built.
+        pin_memory (`bool`, env `ROUNDPIPE_PIN_MEMORY`): page-lock the host store. Default: true when a CUDA
+            device is used.
+        wait_timeout_s (`float`, env `ROUNDPIPE_WAIT_TIMEOUT_S`): a thread waiting longer than this on another
+            raises instead of hanging. Default: 600.
+    """
+
+    devices: list[str] | None = field(default=None, metadata={
+        "help": "Workers, e.g. 'cuda:0,cuda:1' or 'cpu,cpu'. Default: every visible GPU, else one CPU worker."})
+    num_microbatches: int | None = field(default=None, metadata={
+        "help": "Micro-batches per forward_backward call. Default: 2 x devices, lowered to the batch size."})
+    microbatches_per_round: int | None = field(default=None, metadata={
+        "help": "Micro-batches each dispatched task runs. Default: the device count."})
+    async_optimizer: bool | None = field(default=None, metadata={
+        "help": "Step the optimizer one iteration late in the background (staleness 1). Default: true."})
+    param_dtype: torch.dtype | str | None = field(default=None, metadata={
+        "help": "dtype of the compute copies (e.g. bfloat16). Default: the module's own dtypes."})
+    optimizer_dtype: torch.dtype | str | None = field(default=None, metadata={
+        "help": "dtype of optimizer copies and host gradients. Default: float32 (or wider if the parameter is)."})
+    recompute: str | None = field(default=None, metadata={
+        "help": "Backward recomputation grain: 'stage' or 'layer'. Default: 'stage'."})
+    forward_stages: list[int] | None = field(default=None, metadata={
+        "help": "Layer counts of forward stages below the fused stage, e.g. '3,3'. Default: planned from costs."})
+    backward_stages: list[int] | None = field(default=None, metadata={
+        "help": "Layer counts of backward stages bottom to top; the last is fused. Default: planned from costs."})
+    seed: int | None = field(default=None, metadata={
+        "help": "Base seed of the per-layer RNG streams replayed in recomputation. Default: torch.initial_seed()."})
+    pin_memory: bool | None = field(default=None, metadata={
+        "help": "Page-lock the host store. Default: true when a CUDA device is used."})
+    wait_timeout_s: float | None = field(default=None, metadata={
+        "help": "Seconds a thread may wait on another before raising instead of hanging. Default: 600."})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is None:
+                raw = os.environ.get(ENV_PREFIX + f.name.upper())
+                if raw is not None and raw.strip() != "":
+                    setattr(self, f.name, raw)
+        self._normalise()
+
+    def _normalise(self) -> None:
+        env = ENV_PREFIX
+        if isinstance(self.devices, str):
+            self.devices = [d.strip() for d in self.devices.split(",") if d.strip()]
+        if self.devices is not None:
+            self.devices = [str(torch.device(d)) if str(d) != "cpu" else "cpu" for d in self.devices]
+            if not self.devices:
+                raise ValueError(f"devices (env {env}DEVICES) is empty; name at least one, e.g. 'cuda:0' or 'cpu'.")
+        for name in ("num_microbatches", "microbatches_per_round"):
+            value = getattr(self, name)
+            if value is not None:
+                value = int(value)
+                if value < 1:
+                    raise ValueError(f"{name} (env {env}{name.upper()}) must be >= 1, got {value}.")
+                setattr(self, name, value)
+        for name in ("async_optimizer", "pin_memory"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, str_to_bool(value, env + name.upper()))
+        self.param_dtype = to_dtype(self.param_dtype, "param_dtype")
+        self.optimizer_dtype = to_dtype(self.optimizer_dtype, "optimizer_dtype")
+        if self.recompute is not None:
+            self.recompute = str(self.recompute).strip().lower()
+            if self.recompute not in RECOMPUTE_GRAINS:
+                raise ValueError(f"recompute (env {env}RECOMPUTE)={self.recompute!r}; choose one of "
+                                 f"{list(RECOMPUTE_GRAINS)}.")
+        self.forward_stages = _int_list(self.forward_stages, "forward_stages")
+        self.backward_stages = _int_list(self.backward_stages, "backward_stages")
+        if self.seed is not None:
+            self.seed = int(self.seed)
+        if self.wait_timeout_s is not None:
+            self.wait_timeout_s = float(self.wait_timeout_s)
+
+    # Resolved values: what the engine actually uses.
+    def resolved_devices(self) -> list[torch.device]:
+        if self.devices is not None:
+            return [torch.device(d) for d in self.devices]
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")]
+
+    @property
+    def resolved_async_optimizer(self) -> bool:
+        return True if self.async_optimizer is None else self.async_optimizer
+
+    @property
+    def resolved_recompute(self) -> str:
+        return self.recompute or "stage"
+
+    @property
+    def resolved_wait_timeout_s(self) -> float:
+        return 600.0 if self.wait_timeout_s is None else self.wait_timeout_s

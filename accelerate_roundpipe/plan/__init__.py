@@ -1,0 +1,30 @@
+"""Pure planning: partitions, schedules and their simulation. No threads, no devices, only numbers.
+
+Vocabulary (used the same way everywhere in the package):
+
+- layer: one entry of the model's layer list (an `nn.Sequential` child), indexed 0..L-1 from the input.
+- stage: a contiguous span of layers run by one task. Forward stages and backward stages are partitioned
+  independently; the top backward stage is the *fused* stage (forward + loss + backward at once, its forward doubling
+  as the recomputation).
+- micro-batch: a slice of the batch along dim 0. A *round* is a group of consecutive micro-batches.
+- task: one stage run over all micro-batches of one round on one device (F, FB or B).
+- slot: a task's position in the round's stage sequence F_0..F_{Sf-1}, FB, B_{Sb-2}..B_0; slot k of the run goes to
+  device (start + k) mod N and the start rolls on across rounds and iterations.
+- iteration: one `forward_backward` (or forward, or backward) call; step: one optimizer step.
+"""
+
+from .partition import Partition, Span, plan_partition
+from .schedule import Task, TaskKind, build_schedule, format_schedule
+from .simulate import SimulationResult, simulate
+
+__all__ = [
+    "Partition",
+    "Span",
+    "plan_partition",
+    "Task",
+    "TaskKind",
+    "build_schedule",
+    "format_schedule",
+    "SimulationResult",
+    "simulate",
+]

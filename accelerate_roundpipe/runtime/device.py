@@ -1,0 +1,84 @@
+"""A worker's device: how tensors get on and off it, and its RNG streams.
+
+A CPU "device" is a worker thread with its own copies: uploads and downloads clone, exactly as a GPU would copy,
+so the scheduler, the event protocol and the optimizer are exercised unchanged without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+from . import faults
+
+# Every CPU worker shares torch's one CPU generator; seeding it for a layer and running the layer must not
+# interleave with another CPU worker doing the same.
+_CPU_RNG_LOCK = threading.Lock()
+
+
+def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_index: int) -> int:
+    """The RNG seed of one layer on one micro-batch of one pass: the forward and its recomputation draw the same
+    masks whatever device or thread runs them."""
+    value = base_seed & 0xFFFFFFFFFFFF
+    for part in (pass_index, layer_index, microbatch_index):
+        value = (value * 1_000_003 + part + 1) % (2**61 - 1)
+    return value
+
+
+class Device:
+    def __init__(self, device: torch.device, index: int) -> None:
+        self.device = device
+        self.index = index
+        self.is_cuda = device.type == "cuda"
+        self.stream = None
+
+    def __str__(self) -> str:
+        return f"d{self.index}({self.device})"
+
+    def start_thread(self) -> None:
+        """Called on the worker's own thread before it runs anything."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+            self.stream = torch.cuda.Stream(self.device)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        if self.is_cuda:
+            with torch.cuda.stream(self.stream):
+                yield
+        else:
+            yield
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        faults.point("transfer.upload")
+        if self.is_cuda:
+            return host.to(self.device, non_blocking=True)
+        return host.clone()
+
+    def download(self, tensor: torch.Tensor) -> torch.Tensor:
+        faults.point("transfer.download")
+        if self.is_cuda:
+            return tensor.detach().to("cpu", non_blocking=True)
+        return tensor.detach().clone()
+
+    def synchronize(self) -> None:
+        """Wait for every copy and kernel issued so far (results downloaded may be read after this)."""
+        if self.is_cuda:
+            self.stream.synchronize()
+
+    @contextlib.contextmanager
+    def rng(self, seed: int) -> Iterator[None]:
+        if self.is_cuda:
+            torch.cuda.manual_seed(seed)  # this device's generator belongs to this worker alone
+            yield
+            return
+        with _CPU_RNG_LOCK:
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            try:
+                yield
+            finally:
+                torch.set_rng_state(saved)

@@ -1,0 +1,345 @@
+"""`RoundPipe`: the engine facade. Builds the plan, enqueues tasks on the device workers, returns results.
+
+All tickets of [Note: per-layer events] are reserved here, on the caller's thread, in program order: this is what
+makes the results independent of thread timing. Call the engine from one thread.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..config import RoundPipeConfig
+from ..plan.partition import Partition, plan_partition
+from ..plan.schedule import Mode, Task, build_schedule
+from .device import Device
+from .host_store import HostStore
+from .jobs import PassState, TaskJob, split_rows
+from .optimizer import LaggedOptimizer
+from .sync import FailureFlag, Future
+from .worker import Worker
+
+_KEEP_SCHEDULES = 4
+
+
+def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{what} must be tensors (split along dim 0 into micro-batches); got {type(v).__name__}.")
+    return tuple(values)
+
+
+def _stop_threads(workers: list[Worker] | None, optimizer_box: list) -> None:
+    for worker in workers or []:
+        worker.stop()
+    if optimizer_box and optimizer_box[0] is not None:
+        optimizer_box[0].close()
+
+
+class RoundPipe(nn.Module):
+    """Runs an `nn.Sequential` with RoundPipe: weights, gradients and optimizer state on the host, devices as a
+    stateless worker pool, forward and backward stages dispatched round-robin.
+
+    Example::
+
+        model = RoundPipe(torch.nn.Sequential(...), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=4))
+        optimizer = model.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        loss = model.forward_backward(x, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+        optimizer.step(); optimizer.zero_grad()
+        model.synchronize()  # model.module now holds the newest weights
+    """
+
+    def __init__(self, module: nn.Module, config: RoundPipeConfig | None = None) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"RoundPipe takes an nn.Sequential whose children are the pipeline layers; got "
+                f"{type(module).__name__}. Wrap your layers in torch.nn.Sequential (each child's output feeding the "
+                f"next), or use accelerate_roundpipe.wrap_model for Hugging Face causal LMs.")
+        if len(module) == 0:
+            raise ValueError("RoundPipe got an empty nn.Sequential; it needs at least one layer.")
+        self.config = config if config is not None else RoundPipeConfig()
+        self.module = module
+        self.devices = [Device(d, i) for i, d in enumerate(self.config.resolved_devices())]
+        uses_cuda = any(d.is_cuda for d in self.devices)
+        pin = self.config.pin_memory if self.config.pin_memory is not None else uses_cuda
+        names = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        self._store = HostStore(list(module), self.config.param_dtype, self.config.optimizer_dtype, pin, names)
+        self.partition: Partition = plan_partition(len(module), forward_stages=self.config.forward_stages,
+                                                   backward_stages=self.config.backward_stages)
+        self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
+        self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
+        self._workers: list[Worker] | None = None
+        self._optimizer_box: list[LaggedOptimizer | None] = [None]
+        self._next_device = 0
+        self._num_passes = 0
+        self._inflight: list[Future] = []
+        self._schedules: dict[int, list[Task]] = {}
+
+    # ------------------------------------------------------------------ parameters
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The optimizer copies (host, `optimizer_dtype`) of trainable parameters and the compute copies of frozen
+        ones, named as in the wrapped module."""
+        for name, p in self.module.named_parameters(remove_duplicate=remove_duplicate):
+            bucket_index, slot_index = self._store.bucket_of[id(p)]
+            slot = self._store.buckets[bucket_index].slots[slot_index]
+            yield prefix + name, slot.optim if slot.optim is not None else p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    @property
+    def optimizer(self) -> LaggedOptimizer | None:
+        return self._optimizer_box[0]
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> LaggedOptimizer:
+        """Step `optimizer` (built over `self.parameters()`) lagged, on a background thread; returns the wrapper to
+        use in its place (including for LR schedulers)."""
+        if isinstance(optimizer, LaggedOptimizer):
+            return optimizer
+        self._failure.check()
+        if self.optimizer is not None:
+            self.synchronize()
+            self.optimizer.close()
+        self._optimizer_box[0] = LaggedOptimizer(optimizer, self._store, self._failure,
+                                                 self.config.resolved_async_optimizer)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ passes
+
+    def forward_backward(self, *inputs: torch.Tensor, labels: Any = None, loss_fn: Callable | None = None,
+                         loss_reduction: str = "mean", grad_scale: float = 1.0) -> torch.Tensor:
+        """Fused pipelined forward + loss + backward over the whole batch; returns the loss (detached).
+
+        The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch: micro-batch
+        losses are weighted by their share of rows (`loss_reduction="mean"`) or summed (`"sum"`). Without `loss_fn`
+        the last layer must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
+        (complete after `synchronize()`, and always before the next `optimizer.step()` uses them), multiplied by
+        `grad_scale`.
+        """
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
+        self._before_pass()
+        inputs = _tensor_tuple(inputs, "forward_backward inputs")
+        rows, num_mb, mb_inputs = self._split(inputs)
+        mb_labels = split_rows(_tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
+        mb_rows = [x[0].shape[0] for x in mb_inputs]
+        shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]
+        state = PassState(self._new_pass_index(), Mode.TRAIN, self.training, mb_rows,
+                          self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
+                          labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * grad_scale for s in shares],
+                          losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)])
+        self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
+        self._release_writebacks()
+        losses = [f.get(self._failure) for f in state.losses]
+        total = losses[0] * shares[0]
+        for loss, share in zip(losses[1:], shares[1:]):
+            total = total + loss * share
+        return total
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
+        self._before_pass()
+        inputs = _tensor_tuple(inputs, "forward inputs")
+        rows, num_mb, mb_inputs = self._split(inputs)
+        keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
+        saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
+            if keep_for_backward else frozenset()
+        state = PassState(self._new_pass_index(), Mode.FORWARD, self.training, [x[0].shape[0] for x in mb_inputs],
+                          saved)
+        self._enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
+        if not keep_for_backward:
+            self._release_writebacks()
+        pieces = [f.take(self._failure) for f in state.outputs]
+        outputs = []
+        for k in range(len(pieces[0])):
+            if pieces[0][k].dim() == 0:
+                raise TypeError("the last layer returned a 0-dim tensor; model(...) concatenates outputs along dim 0, "
+                                "so use forward_backward(...) for a layer that returns the loss.")
+            outputs.append(torch.cat([p[k] for p in pieces], dim=0))
+        if keep_for_backward:
+            epochs = [b.reads._writes_reserved for b in self._store.buckets]
+            outputs = list(_PipelineBackward.apply(self, state, epochs, torch.empty(0, requires_grad=True), *outputs))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _backward_pass(self, state: PassState, epochs: list[int], grads: tuple) -> None:
+        self._failure.check()
+        if any(b.reads._writes_reserved != e for b, e in zip(self._store.buckets, epochs)):
+            raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() or "
+                               "synchronize() ran in between), so the recomputation would differ from the forward. "
+                               "Call backward before stepping the optimizer.")
+        rows = state.microbatch_rows
+        split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]
+        mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
+        backward_state = PassState(state.index, Mode.BACKWARD, state.training, rows, state.saved_layers)
+        backward_state.saved = state.saved
+        jobs = self._enqueue(self._schedule(len(rows), Mode.BACKWARD), backward_state, mb_grads)
+        self._release_writebacks()
+        for job in jobs:
+            job.done.get(self._failure)
+        self._failure.check()
+
+    # ------------------------------------------------------------------ control
+
+    def synchronize(self) -> None:
+        """Wait for every task and optimizer step; then `self.module` holds the newest weights and `p.grad` of
+        `self.parameters()` the accumulated gradients."""
+        self._failure.check()
+        if self.optimizer is not None:
+            self.optimizer.release_writebacks()
+        for done in self._inflight:
+            done.get(self._failure)
+        self._inflight.clear()
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+        self._failure.check()
+
+    def close(self) -> None:
+        """Stop the worker and optimizer threads. The engine cannot be used afterwards."""
+        if not self._failure.closed:
+            try:
+                if self._failure.error is None:
+                    self.synchronize()
+            finally:
+                self._failure.close()
+                _stop_threads(self._workers, self._optimizer_box)
+
+    def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
+        """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
+        return self._schedule(num_microbatches, Mode(mode))
+
+    # ------------------------------------------------------------------ internals
+
+    def _schedule(self, num_mb: int, mode: Mode) -> list[Task]:
+        per_round = self.config.microbatches_per_round or len(self.devices)
+        return build_schedule(self.partition, num_mb, per_round, len(self.devices), self._next_device, mode)
+
+    def _new_pass_index(self) -> int:
+        self._num_passes += 1
+        return self._num_passes - 1
+
+    def _before_pass(self) -> None:
+        self._failure.check()
+        if self.optimizer is None:
+            for bucket in self._store.trainable_buckets:
+                if bucket.optim._version != bucket.optim_version_seen:
+                    raise RuntimeError(
+                        "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
+                        "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
+                        "optimizer also writes the compute copies the devices use.")
+        if self._workers is None:
+            self._workers = [Worker(d, self._store, self._failure, self.config.resolved_recompute, self._seed,
+                                    len(self.devices)) for d in self.devices]
+            for worker in self._workers:
+                worker.schedules = self._schedules
+                worker.start()
+            weakref.finalize(self, _stop_threads, self._workers, self._optimizer_box)
+        self._inflight = [f for f in self._inflight if not f.done]
+
+    def _split(self, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, list[tuple]]:
+        if not inputs:
+            raise ValueError("RoundPipe needs at least one input tensor.")
+        rows = inputs[0].shape[0] if inputs[0].dim() else 0
+        for t in inputs:
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
+                                 f"{[tuple(x.shape) for x in inputs]}.")
+        requested = self.config.num_microbatches
+        if requested is not None and rows < requested:
+            raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
+                             f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} or "
+                             f"use a batch of at least {requested} rows.")
+        if rows < 1:
+            raise ValueError("the batch is empty.")
+        num_mb = requested if requested is not None else min(2 * len(self.devices), rows)
+        return rows, num_mb, split_rows(inputs, num_mb)
+
+    def _release_writebacks(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.release_writebacks()
+
+    def _enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
+        self._schedules[state.index] = tasks
+        for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
+            del self._schedules[old]
+        store = self._store
+        previous: dict[int, list[Future]] = {}
+        jobs = []
+        for index, task in enumerate(tasks):
+            mbs = range(*task.microbatches)
+            inputs = previous.get(task.round_index)
+            if inputs is None:
+                inputs = [Future() for _ in mbs]
+                for future, mb in zip(inputs, mbs):
+                    future.set(first_inputs[mb])
+            outputs = [Future(f"output of {task} micro-batch {mb}") for mb in mbs]
+            buckets = store.buckets_of_layers(task.span.layers)
+            reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
+            grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
+                     if task.needs_grad and store.buckets[b].trainable]
+            job = TaskJob(task, state, inputs, outputs, reads, grads, index)
+            previous[task.round_index] = outputs
+            jobs.append(job)
+            self._inflight.append(job.done)
+            self._workers[task.device_index].queue.put(job)
+        state.outputs = [f for r in sorted(previous) for f in previous[r]]
+        self._next_device = (tasks[-1].device_index + 1) % len(self.devices)
+        return jobs
+
+    # ------------------------------------------------------------------ nn.Module behaviour
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (compute copies), after `synchronize()`."""
+        self.synchronize()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load weights into the compute copies and the optimizer copies."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would detach the module from the host store; use "
+                             "assign=False.")
+        self.synchronize()
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        with torch.no_grad():
+            for bucket in self._store.trainable_buckets:
+                bucket.optim.copy_(bucket.compute)
+                bucket.optim_version_seen = bucket.optim._version
+        return result
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and (device is None or torch.device(device).type == "cpu"):
+            return self
+        raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: do not call .to()/"
+                           ".cuda() on it. Choose devices with RoundPipeConfig(devices=[...]) (env ROUNDPIPE_DEVICES) "
+                           "and dtypes with param_dtype / optimizer_dtype.")
+
+    def _apply(self, fn, recurse: bool = True):
+        raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
+                           ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
+
+
+class _PipelineBackward(torch.autograd.Function):
+    """Attaches `model(...)` outputs to the backward pipeline."""
+
+    @staticmethod
+    def forward(ctx, engine: RoundPipe, state: PassState, epochs: list[int], anchor: torch.Tensor,
+                *outputs: torch.Tensor):
+        ctx.engine, ctx.state, ctx.epochs = engine, state, epochs
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._backward_pass(ctx.state, ctx.epochs, grads)
+        return (None, None, None, None) + (None,) * len(grads)

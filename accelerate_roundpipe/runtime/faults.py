@@ -1,0 +1,29 @@
+"""Test hook: a callable run at named points of the runtime (to inject delays or errors). Off by default.
+
+Points: "worker.task" (a worker starts a task), "transfer.upload", "transfer.download", "commit" (gradients added to
+the host), "optimizer.step", "optimizer.writeback".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+Hook = Callable[[str], None]
+_hook: Hook | None = None
+
+
+def point(name: str) -> None:
+    if _hook is not None:
+        _hook(name)
+
+
+@contextlib.contextmanager
+def injected(hook: Hook) -> Iterator[None]:
+    """Run `hook(point_name)` at every fault point inside the block."""
+    global _hook
+    previous, _hook = _hook, hook
+    try:
+        yield
+    finally:
+        _hook = previous

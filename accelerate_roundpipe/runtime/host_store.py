@@ -1,0 +1,161 @@
+"""Host store: every parameter, its optimizer copy and its gradient, in flat per-layer buffers on the CPU.
+
+A *bucket* is one flat buffer of parameters that are always uploaded together: the parameters used by exactly one
+layer (per dtype and trainability), or a parameter shared by several layers (tied weights), stored once. Each
+bucket holds
+- `compute`: the compute copy (param dtype, pinned when a GPU is used); the user's module parameters are re-pointed
+  to views of it, so `engine.module` always shows the compute copy;
+- `optim`: the optimizer copy (optimizer dtype) whose views are the `nn.Parameter`s handed to the optimizer;
+- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies.
+Frozen (requires_grad=False) parameters get a compute copy only: no optimizer state, no gradient traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .sync import ReadWriteOrder, Sequencer
+
+_ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def optimizer_dtype_for(param_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    if requested is not None:
+        return requested
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class ParamSlot:
+    name: str
+    param: nn.Parameter  # the user's parameter (its data is a view of bucket.compute)
+    offset: int
+    numel: int
+    shape: torch.Size
+    optim: nn.Parameter | None = None  # the optimizer copy (trainable only)
+
+
+@dataclass
+class Bucket:
+    index: int
+    layers: tuple[int, ...]  # layers that use it
+    trainable: bool
+    compute: torch.Tensor
+    optim: torch.Tensor | None
+    grad: torch.Tensor | None
+    slots: list[ParamSlot]
+    reads: ReadWriteOrder = field(default_factory=ReadWriteOrder)
+    grads: Sequencer = field(default_factory=Sequencer)
+    grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
+    optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
+
+    def __str__(self) -> str:
+        kind = "trainable" if self.trainable else "frozen"
+        return f"bucket{self.index}(layers {list(self.layers)}, {kind}, {self.compute.numel()} x {self.compute.dtype})"
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def attach_grads(self) -> None:
+        assert self.grad is not None
+        for slot, view in zip(self.slots, self.views(self.grad)):
+            slot.optim.grad = view
+
+    def detach_grads(self) -> None:
+        for slot in self.slots:
+            slot.optim.grad = None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where one parameter use inside a layer gets its tensor from."""
+
+    module_path: str  # submodule path inside the layer ("" = the layer itself)
+    attr: str
+    bucket_index: int
+    slot_index: int
+
+
+class HostStore:
+    def __init__(self, layers: list[nn.Module], param_dtype: torch.dtype | None,
+                 optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str]) -> None:
+        self.layers = layers
+        self.pin_memory = pin_memory
+        users: dict[int, list[int]] = {}  # id(param) -> layers using it
+        params: dict[int, nn.Parameter] = {}
+        for layer_index, layer in enumerate(layers):
+            for _, p in layer.named_parameters(remove_duplicate=False):
+                params[id(p)] = p
+                if layer_index not in users.setdefault(id(p), []):
+                    users[id(p)].append(layer_index)
+
+        # One bucket per (set of layers using it, trainable, dtype): tied weights get a bucket of their own.
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for pid, p in params.items():
+            groups.setdefault((tuple(users[pid]), p.requires_grad, param_dtype or p.dtype), []).append(p)
+
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
+        order = sorted(groups, key=lambda k: (min(k[0]), k[0], not k[1], str(k[2])))
+        for layer_ids, trainable, dtype in order:
+            self.buckets.append(self._make_bucket(len(self.buckets), layer_ids, trainable, dtype, optimizer_dtype,
+                                                  groups[(layer_ids, trainable, dtype)], names))
+
+        self.layer_bindings: list[list[Binding]] = []
+        self.layer_buckets: list[list[int]] = []
+        for layer in layers:
+            bindings, used = [], []
+            for module_path, module in layer.named_modules(remove_duplicate=False):
+                for attr, p in module._parameters.items():
+                    if p is None:
+                        continue
+                    bucket_index, slot_index = self.bucket_of[id(p)]
+                    bindings.append(Binding(module_path, attr, bucket_index, slot_index))
+                    if bucket_index not in used:
+                        used.append(bucket_index)
+            self.layer_bindings.append(bindings)
+            self.layer_buckets.append(sorted(set(used)))
+
+    def _make_bucket(self, index, layer_ids, trainable, dtype, optimizer_dtype, members, names) -> Bucket:
+        slots, offset = [], 0
+        for p in members:
+            slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape))
+            offset += _align(p.numel())
+        compute = torch.zeros(max(offset, 1), dtype=dtype, pin_memory=self.pin_memory)
+        optim = grad = None
+        if trainable:
+            odtype = optimizer_dtype_for(dtype, optimizer_dtype)
+            optim = torch.zeros_like(compute, dtype=odtype, pin_memory=False)
+            grad = torch.zeros_like(optim)
+        bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
+        with torch.no_grad():
+            for slot_index, slot in enumerate(slots):
+                original = slot.param.detach()
+                if optim is not None:
+                    # From the original values, so a float32 model keeps full precision in its optimizer copy.
+                    optim[slot.offset:slot.offset + slot.numel].copy_(original.reshape(-1))
+                    slot.optim = nn.Parameter(optim[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                view = compute[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                view.copy_(original)
+                slot.param.data = view
+                self.bucket_of[id(slot.param)] = (index, slot_index)
+        if optim is not None:
+            bucket.optim_version_seen = optim._version
+        return bucket
+
+    def buckets_of_layers(self, layers: range) -> list[int]:
+        used: set[int] = set()
+        for layer in layers:
+            used.update(self.layer_buckets[layer])
+        return sorted(used)
+
+    @property
+    def trainable_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.trainable]

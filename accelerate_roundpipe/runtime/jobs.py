@@ -1,0 +1,52 @@
+"""What one pass (iteration) and one dispatched task carry between the caller and the workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..plan.schedule import Mode, Task
+from .sync import Future
+
+HostTuple = tuple  # tuple of host tensors (None for "no gradient")
+
+
+@dataclass(eq=False)
+class PassState:
+    """One forward_backward / forward / backward call: its micro-batches and what its tasks leave behind."""
+
+    index: int  # pass number, also the RNG stream of every layer run in it
+    mode: Mode
+    training: bool
+    microbatch_rows: list[int]
+    saved_layers: frozenset[int] = frozenset()
+    labels: list[Any] | None = None
+    loss_fn: Callable | None = None
+    loss_weights: list[float] = field(default_factory=list)  # per micro-batch, grad scale included
+    saved: dict[tuple[int, int], HostTuple] = field(default_factory=dict)  # (layer, micro-batch) -> layer input
+    losses: list[Future] = field(default_factory=list)
+    outputs: list[Future] = field(default_factory=list)  # what the pass's last task of each micro-batch gives
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatch_rows)
+
+
+@dataclass(eq=False)
+class TaskJob:
+    task: Task
+    state: PassState
+    inputs: list[Future]  # per micro-batch of the round: activations (F, FB) or output gradients (B)
+    outputs: list[Future]
+    read_tickets: list[tuple[int, int]]  # (bucket, epoch) for every bucket the task uploads
+    grad_tickets: list[tuple[int, int]]  # (bucket, ticket) for every trainable bucket it commits gradients to
+    schedule_index: int
+    done: Future = field(default_factory=lambda: Future("a task to finish"))
+
+
+def split_rows(tensors: tuple[torch.Tensor, ...], num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Split every tensor along dim 0 into `num_microbatches` slices (the first ones one row larger if uneven)."""
+    parts = [torch.tensor_split(t, num_microbatches, dim=0) for t in tensors]
+    return [tuple(p[i] for p in parts) for i in range(num_microbatches)]

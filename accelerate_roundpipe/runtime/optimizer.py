@@ -1,0 +1,223 @@
+"""The lagged CPU optimizer: any torch optimizer stepped bucket by bucket on a background thread.
+
+[Note: one-step lag]
+`step()` returns at once. A background thread steps each bucket (top layers first, the order their gradients become
+final) as soon as its gradients are final, on the optimizer copies, then writes the compute copy. With
+`async_optimizer=True` that write-back is held until the next iteration has reserved its reads, so iteration k
+computes with the weights after steps 0..k-2 (staleness 1) while step k-1 runs beside it; with it off, the write
+happens right after the step and iteration k waits for it, per bucket, seeing steps 0..k-1. Either way the
+per-bucket tickets of [Note: per-layer events] keep every read and write in order; `synchronize()` releases held
+write-backs, so `engine.module` then shows the newest weights.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+from . import faults
+from .host_store import Bucket, HostStore
+from .sync import FailureFlag, mark_engine_thread
+
+_FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
+    """Use torch's fused CPU kernel for Adam/AdamW groups that did not choose an implementation."""
+    if not isinstance(optimizer, _FUSED_CPU):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") is None and not group.get("foreach") and not group.get("differentiable") \
+                and all(p.is_floating_point() for p in group["params"]):
+            group["fused"] = True
+            group["foreach"] = False
+
+
+class OptimizerThread:
+    """Runs optimizer jobs in FIFO order; `wait_idle` returns when all queued jobs are done."""
+
+    def __init__(self, failure: FailureFlag) -> None:
+        self.failure = failure
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def wait_idle(self) -> None:
+        with self._cond:
+            self.failure.wait(self._cond, lambda: self._pending == 0, "the optimizer thread to finish")
+
+    def _loop(self) -> None:
+        mark_engine_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.failure.error is None:
+                    job()
+            except BaseException as error:  # noqa: BLE001 - reported to the caller
+                self.failure.fail(error, f"the optimizer thread ({getattr(job, '__name__', 'job')})")
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+
+class LaggedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer built over `engine.parameters()`; see [Note: one-step lag].
+
+    `param_groups`, `state`, `state_dict()`, `load_state_dict()` and `zero_grad()` behave as the wrapped optimizer's.
+    Hyper-parameters (e.g. the learning rate an LR scheduler sets) are read when `step()` is called.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
+                 async_step: bool) -> None:
+        # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
+        self.inner = inner
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._zero_grad_profile_name = "Optimizer.zero_grad#LaggedOptimizer.zero_grad"
+        self.store = store
+        self.failure = failure
+        self.async_step = async_step
+        self._deferred: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
+        self._check_params()
+        prefer_fused(inner)
+        self.thread = OptimizerThread(failure)
+        # Top layers first: the order in which gradients become final during a backward.
+        self._step_order = sorted(store.trainable_buckets, key=lambda b: -min(b.layers))
+
+    def _check_params(self) -> None:
+        known = {id(s.optim): s for b in self.store.trainable_buckets for s in b.slots}
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if id(p) not in known:
+                    raise ValueError(
+                        "the optimizer holds a tensor that is not one of this engine's optimizer copies; build it "
+                        "from the engine's parameters: `engine.wrap_optimizer(torch.optim.AdamW(engine.parameters()))`"
+                        " (the wrapped module's own parameters are the compute copies and are never stepped).")
+
+    # ------------------------------------------------------------------ the lag protocol
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("RoundPipe's lagged optimizer takes no closure: the step runs in the background after "
+                             "the pipeline; call engine.forward_backward(...) then optimizer.step().")
+        self.failure.check()
+        self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
+        snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
+        for bucket in self._step_order:
+            ticket = bucket.grads.reserve()
+            self.thread.submit(self._step_job(bucket, ticket, member_groups))
+            if self.async_step:
+                self._deferred.append(bucket)
+            else:
+                self._submit_writeback(bucket)
+
+    def _step_job(self, bucket: Bucket, ticket: int, member_groups) -> Callable[[], None]:
+        ids = {id(s.optim) for s in bucket.slots}
+
+        def step_bucket() -> None:
+            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
+            try:
+                faults.point("optimizer.step")
+                groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
+                groups = [g for g in groups if g["params"]]
+                if groups and bucket.grad_valid:
+                    original = self.inner.param_groups
+                    self.inner.param_groups = groups
+                    try:
+                        self.inner.step()
+                    finally:
+                        self.inner.param_groups = original
+                bucket.optim_version_seen = bucket.optim._version
+            finally:
+                bucket.grads.end(ticket)
+
+        return step_bucket
+
+    def _submit_writeback(self, bucket: Bucket) -> None:
+        ticket = bucket.reads.reserve_write()
+
+        def writeback() -> None:
+            bucket.reads.begin_write(ticket, self.failure, f"readers of {bucket} before its write-back")
+            try:
+                faults.point("optimizer.writeback")
+                bucket.compute.copy_(bucket.optim)
+            finally:
+                bucket.reads.end_write(ticket)
+
+        self.thread.submit(writeback)
+
+    def release_writebacks(self) -> None:
+        """Reserve the held write-backs after the reads reserved so far (called by the engine)."""
+        deferred, self._deferred = self._deferred, []
+        for bucket in deferred:
+            self._submit_writeback(bucket)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.failure.check()
+        for bucket in self._step_order:
+            ticket = bucket.grads.reserve()
+
+            def zero(bucket=bucket, ticket=ticket) -> None:
+                bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for zero_grad")
+                try:
+                    if set_to_none:
+                        bucket.grad_valid = False
+                        bucket.detach_grads()
+                    elif bucket.grad_valid:
+                        bucket.grad.zero_()
+                finally:
+                    bucket.grads.end(ticket)
+
+            self.thread.submit(zero)
+
+    def synchronize(self) -> None:
+        self.release_writebacks()
+        self.thread.wait_idle()
+        self.failure.check()
+
+    def close(self) -> None:
+        self.thread.stop()
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer API
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.synchronize()
+        self.inner.load_state_dict(state_dict)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        prefer_fused(self.inner)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("add parameter groups to the optimizer before engine.wrap_optimizer(...).")
+
+    def __repr__(self) -> str:
+        return f"LaggedOptimizer(async={self.async_step}, {self.inner!r})"

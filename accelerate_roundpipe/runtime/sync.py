@@ -1,0 +1,199 @@
+"""Waiting primitives shared by the worker threads, the optimizer thread and the caller.
+
+Every wait polls a shared `FailureFlag`, so a failure in any thread wakes every waiter within a poll interval and
+is re-raised where it is waited on; a wait longer than the configured timeout raises instead of hanging.
+
+[Note: per-layer events]
+The host store's buffers are guarded by tickets reserved by the caller thread in program order, when work is
+enqueued, and executed later by whichever thread does the work:
+- compute copies use a `ReadWriteOrder`: reads reserved between two writes may run in any order and together; a
+  write waits for every earlier write and every read reserved before it. So an upload never reads a half-written
+  copy and always reads exactly the version its iteration is entitled to (staleness rule of `LaggedOptimizer`).
+- gradient buffers use a `Sequencer`: commits, the step's read and zeroing run strictly in reservation order. So a
+  step never reads gradients still being accumulated, gradients of the next iteration never land in a buffer the
+  step still reads, and the summation order (hence every bit of the result) does not depend on thread timing.
+All waits point to work reserved earlier, and each thread runs its own work in reservation order, so the earliest
+unfinished piece of work can always proceed: no deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+POLL_S = 0.05
+
+
+class EngineClosedError(RuntimeError):
+    """The engine stopped after an error in one of its threads (or was closed)."""
+
+
+_engine_thread = threading.local()
+
+
+def mark_engine_thread() -> None:
+    """Called by worker and optimizer threads: their failed waits abort quietly instead of reporting."""
+    _engine_thread.active = True
+
+
+class Aborted(Exception):
+    """Raised inside engine threads when another thread already failed; never reaches the user."""
+
+
+class FailureFlag:
+    """The first error raised in any engine thread; every wait checks it."""
+
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.where: str = ""
+        self.closed = False
+        self._reported = False
+        self._lock = threading.Lock()
+
+    def fail(self, error: BaseException, where: str) -> None:
+        with self._lock:
+            if self.error is None and not isinstance(error, Aborted):
+                self.error = error
+                self.where = where
+
+    def close(self) -> None:
+        self.closed = True
+
+    def check(self) -> None:
+        """Raise if the engine failed: in the caller, the original error once, then `EngineClosedError`."""
+        if self.error is None and not self.closed:
+            return
+        if getattr(_engine_thread, "active", False):
+            raise Aborted(self.where)
+        if self.error is not None:
+            with self._lock:
+                first, self._reported = not self._reported, True
+            if first:
+                self.error.add_note(f"[RoundPipe] raised in {self.where}; the engine is now closed.")
+                raise self.error
+            raise EngineClosedError(
+                f"the RoundPipe engine stopped after an error in {self.where}: {type(self.error).__name__}: "
+                f"{self.error}. Build a new engine to continue.") from self.error
+        raise EngineClosedError("the RoundPipe engine is closed; build a new one to continue.")
+
+    def wait(self, cond: threading.Condition, ready: Callable[[], bool], what: str) -> None:
+        """Wait on `cond` (held by the caller) until `ready()`; raise on failure or timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout_s:.0f} s for {what}; raise wait_timeout_s "
+                                   f"(env ROUNDPIPE_WAIT_TIMEOUT_S) if this work is legitimately slow.")
+            cond.wait(POLL_S)
+
+
+class Future:
+    """A value produced by one thread and read by others."""
+
+    __slots__ = ("_cond", "_done", "_value", "what")
+
+    def __init__(self, what: str = "") -> None:
+        self._cond = threading.Condition()
+        self._done = False
+        self._value: Any = None
+        self.what = what
+
+    def set(self, value: Any) -> None:
+        with self._cond:
+            self._value = value
+            self._done = True
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def get(self, failure: FailureFlag) -> Any:
+        with self._cond:
+            failure.wait(self._cond, lambda: self._done, self.what or "a result")
+            return self._value
+
+    def take(self, failure: FailureFlag) -> Any:
+        """Get the value and drop the reference (it is read exactly once)."""
+        value = self.get(failure)
+        self._value = None
+        return value
+
+
+class ReadWriteOrder:
+    """Ordered readers/writers of one buffer; see [Note: per-layer events]."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writes_reserved = 0
+        self._writes_done = 0
+        self._open_reads: dict[int, int] = defaultdict(int)
+
+    @property
+    def version(self) -> int:
+        """Writes completed so far."""
+        return self._writes_done
+
+    def reserve_read(self) -> int:
+        with self._cond:
+            epoch = self._writes_reserved
+            self._open_reads[epoch] += 1
+            return epoch
+
+    def reserve_write(self) -> int:
+        with self._cond:
+            ticket = self._writes_reserved
+            self._writes_reserved += 1
+            return ticket
+
+    def begin_read(self, epoch: int, failure: FailureFlag, what: str) -> None:
+        with self._cond:
+            failure.wait(self._cond, lambda: self._writes_done >= epoch, what)
+            assert self._writes_done == epoch, f"{what}: version {self._writes_done} != reserved {epoch}"
+
+    def end_read(self, epoch: int) -> None:
+        with self._cond:
+            self._open_reads[epoch] -= 1
+            if self._open_reads[epoch] == 0:
+                del self._open_reads[epoch]
+            self._cond.notify_all()
+
+    def begin_write(self, ticket: int, failure: FailureFlag, what: str) -> None:
+        with self._cond:
+            failure.wait(self._cond, lambda: self._writes_done == ticket and not self._open_reads.get(ticket), what)
+
+    def end_write(self, ticket: int) -> None:
+        with self._cond:
+            self._writes_done = ticket + 1
+            self._cond.notify_all()
+
+
+class Sequencer:
+    """Strictly ordered operations on one buffer; see [Note: per-layer events]."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reserved = 0
+        self._done = 0
+
+    def reserve(self) -> int:
+        with self._cond:
+            ticket = self._reserved
+            self._reserved += 1
+            return ticket
+
+    def begin(self, ticket: int, failure: FailureFlag, what: str) -> None:
+        with self._cond:
+            failure.wait(self._cond, lambda: self._done == ticket, what)
+
+    def end(self, ticket: int) -> None:
+        with self._cond:
+            self._done = ticket + 1
+            self._cond.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        return self._done == self._reserved
