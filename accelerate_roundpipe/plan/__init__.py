@@ -14,17 +14,21 @@ Vocabulary (used the same way everywhere in the package):
 """
 
 from .partition import Partition, Span, plan_partition
-from .schedule import Task, TaskKind, build_schedule, format_schedule
+from .schedule import Mode, Task, TaskKind, build_schedule, format_schedule
 from .simulate import SimulationResult, simulate
+from .validate import ScheduleError, validate_schedule
 
 __all__ = [
     "Partition",
     "Span",
     "plan_partition",
+    "Mode",
     "Task",
     "TaskKind",
     "build_schedule",
     "format_schedule",
     "SimulationResult",
     "simulate",
+    "ScheduleError",
+    "validate_schedule",
 ]

@@ -1,0 +1,66 @@
+"""What differs between decoder-only families, keyed by `config.model_type`.
+
+Most of what a family does differently (attention masks per layer type, sliding windows, rotary variants, attention
+sinks, embedding scaling, logit soft-capping) is picked up from the model's own code by the shells in `shell.py`, so
+it needs no entry here. An entry is only needed for what the model computes from *all* layers at once, which a
+pipeline must carry from layer to layer itself: today that is the router load-balancing loss of mixture-of-experts
+models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UnsupportedModelError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FamilySpec:
+    """How one family of causal LMs differs from the generic decoder-only split.
+
+    Args:
+        name (`str`): the family's `config.model_type`, or "generic".
+        switch_router_aux_loss (`bool`, defaults to `False`): HF adds the Switch-Transformer load-balancing loss of
+            its routers (`load_balancing_loss_func`, weighted by `router_aux_loss_coef`) to the loss when
+            `config.output_router_logits` is true. The split then carries router statistics through the layers
+            (see [Note: router statistics] in `router_aux.py`). The causal LM must have `num_experts`,
+            `num_experts_per_tok` and `router_aux_loss_coef` attributes and its inner model must declare its router
+            output in `_can_record_outputs["router_logits"]`.
+    """
+
+    name: str
+    switch_router_aux_loss: bool = False
+
+
+GENERIC = FamilySpec(name="generic")
+
+_FAMILIES: dict[str, FamilySpec] = {
+    # Checked against HF in tests/models: qwen3_moe, gpt_oss, mixtral, qwen2_moe. They share one load-balancing
+    # function (copied between their modeling files); GPT-OSS's sinks and sliding/full alternation need no entry.
+    name: FamilySpec(name=name, switch_router_aux_loss=True)
+    for name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe")
+}
+
+
+def register_family(spec: FamilySpec) -> None:
+    """Add or replace the entry for `spec.name` (a `config.model_type`)."""
+    _FAMILIES[spec.name] = spec
+
+
+def family_for(causal_lm) -> FamilySpec:
+    """The entry for this model, or `GENERIC`; refuses a router aux loss that no entry describes."""
+    config = causal_lm.config
+    spec = _FAMILIES.get(getattr(config, "model_type", ""), GENERIC)
+    if (
+        not spec.switch_router_aux_loss
+        and getattr(config, "output_router_logits", False)
+        and hasattr(causal_lm, "router_aux_loss_coef")
+    ):
+        raise UnsupportedModelError(
+            causal_lm,
+            f"model_type {config.model_type!r} adds a router auxiliary loss (config.output_router_logits=True) that "
+            "no family entry describes. Set `config.output_router_logits = False` to train without it, or describe "
+            "the family with `accelerate_roundpipe.models.register_family(FamilySpec(name=..., "
+            "switch_router_aux_loss=True))` if it uses HF's Switch load-balancing loss",
+        )
+    return spec

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs the package and its test tools. A machine without torch gets the CPU build that lies on the CI disk
+# (pip's plain `torch` would fetch a multi-GB CUDA build); a machine with torch keeps its own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0"
+python3 -m pip install -q -e ".[test,docs]"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install, then run the whole test suite (GPU tests are skipped without a GPU) and the lint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python3 -m ruff check accelerate_roundpipe tests integration_tests examples benchmarks
+python3 -m pytest -q -ra "$@"

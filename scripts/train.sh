@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install, then run the main job: a small training run on RoundPipe (GPU if present, CPU otherwise).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python3 -m accelerate_roundpipe.demo "$@"

@@ -1,0 +1,116 @@
+"""Small float64 models and plain-PyTorch references shared by the engine tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from accelerate_roundpipe.runtime.device import stream_seed
+
+WIDTH = 6
+
+
+class Embed(nn.Module):
+    """Layer 0: (x, mask) -> (h, mask); its weight is tied to the head's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        return torch.tanh(self.linear(x)), mask
+
+
+class Block(nn.Module):
+    """A residual block that passes an integer mask through (a non-float activation)."""
+
+    def __init__(self, width: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor):
+        update = self.dropout(torch.tanh(self.linear(h))) * mask[:, None].to(h.dtype)
+        return h + update, mask
+
+
+class Split(nn.Module):
+    """Returns two float activations (a tuple) consumed by `Merge`."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor):
+        return h, torch.sin(self.linear(h)), mask
+
+
+class Merge(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor):
+        return a * b + a, mask
+
+
+class Head(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor):
+        return self.linear(h)
+
+
+def tied_model(dropout: float = 0.0, seed: int = 0, num_blocks: int = 5) -> nn.Sequential:
+    """>= 8 layers in float64; the first and the last layer share one weight; dropout in one block."""
+    torch.manual_seed(seed)
+    first = nn.Linear(WIDTH, WIDTH)
+    last = nn.Linear(WIDTH, WIDTH)
+    last.weight = first.weight
+    blocks = [Block(WIDTH, dropout if i == 1 else 0.0) for i in range(num_blocks)]
+    layers = [Embed(first), blocks[0], Split(WIDTH), Merge(), *blocks[1:], Head(last)]
+    return nn.Sequential(*layers).double()
+
+
+def batch(rows: int = 11, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, WIDTH, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(rows, generator=gen) > 0.2).long()
+    y = torch.randint(0, WIDTH, (rows,), generator=gen)
+    return x, mask, y
+
+
+def run_layers(model: nn.Sequential, inputs: tuple, seeds: list[int] | None = None):
+    h = inputs
+    for index, layer in enumerate(model):
+        if seeds is not None:
+            torch.manual_seed(seeds[index])
+        h = layer(*h) if isinstance(h, tuple) else layer(h)
+    return h
+
+
+def reference_loss_and_grads(model: nn.Sequential, x, mask, y, num_microbatches: int | None = None,
+                             base_seed: int = 0, pass_index: int = 0):
+    """Plain PyTorch. Without `num_microbatches`: the whole batch at once. With it: the same micro-batches and the
+    same per-layer RNG seeds as the engine (for dropout), losses weighted by their share of rows."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    if num_microbatches is None:
+        loss = nn.functional.cross_entropy(run_layers(model, (x, mask)), y)
+        loss.backward()
+    else:
+        rows = x.shape[0]
+        loss = 0.0
+        for mb, (xs, ms, ys) in enumerate(zip(*(torch.tensor_split(t, num_microbatches) for t in (x, mask, y)))):
+            seeds = [stream_seed(base_seed, pass_index, layer, mb) for layer in range(len(model))]
+            part = nn.functional.cross_entropy(run_layers(model, (xs, ms), seeds), ys) * (xs.shape[0] / rows)
+            part.backward()
+            loss = loss + part.detach()
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str) -> None:
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual.to(expected.dtype) - expected).abs().max()
+    assert err <= rtol * scale, f"{what}: max error {err:.3e} > {rtol:.0e} x {scale:.3e}"
