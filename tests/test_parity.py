@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
 from toy_models import assert_close, batch, reference_loss_and_grads, run_layers, tied_model
 
 RTOL = 1e-10

@@ -9,8 +9,18 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.plan import (Mode, ScheduleError, Span, Task, TaskKind, build_schedule, format_schedule,
-                                       plan_partition, simulate, validate_schedule)
+from accelerate_roundpipe.plan import (
+    Mode,
+    ScheduleError,
+    Span,
+    Task,
+    TaskKind,
+    build_schedule,
+    format_schedule,
+    plan_partition,
+    simulate,
+    validate_schedule,
+)
 from accelerate_roundpipe.plan.schedule import round_spans
 
 ASSETS = Path(__file__).parent / "assets"

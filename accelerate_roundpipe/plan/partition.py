@@ -8,8 +8,9 @@ doubles as the recomputation), forward stages from the bottom over the layers be
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 # Backward with recomputation = recompute (1x) + backward (about 2x) of the forward cost.
 DEFAULT_BACKWARD_TO_FORWARD_COST = 3.0

@@ -14,8 +14,9 @@ run idles N(N-1) micro-batch slots in all, at warm-up and cool-down.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import Enum
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from .partition import Partition, Span
 
@@ -54,7 +55,7 @@ class Task(NamedTuple):
     __repr__ = __str__
 
     @classmethod
-    def from_str(cls, text: str) -> "Task":
+    def from_str(cls, text: str) -> Task:
         match = _TASK_RE.match(text.strip())
         if match is None:
             raise ValueError(f"not a task string: {text!r} (expected e.g. 'F0:L0-2:r0:m0-3@d0')")

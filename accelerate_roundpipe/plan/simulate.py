@@ -7,8 +7,8 @@ activation gradients are the input). This is the dependency structure the runtim
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .schedule import Task
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .schedule import Mode, Task, TaskKind, format_schedule
 
@@ -28,7 +28,7 @@ def validate_schedule(tasks: Sequence[Task], num_layers: int, num_microbatches: 
         if index and task.device_index != (tasks[index - 1].device_index + 1) % num_devices:
             fail(index, f"task {task} breaks the round-robin order")
         rounds.setdefault(task.round_index, []).append(index)
-    for round_index, indices in rounds.items():
+    for indices in rounds.values():
         mbs = tasks[indices[0]].microbatches
         covered.extend(range(*mbs))
         forward_done: set[int] = set()

@@ -7,7 +7,8 @@ makes the results independent of thread timing. Call the engine from one thread.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -7,7 +7,7 @@ the host), "optimizer.step", "optimizer.writeback".
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 Hook = Callable[[str], None]
 _hook: Hook | None = None

@@ -41,10 +41,10 @@ class LayerCopy:
         return [buf._version for _, buf in self._buffers]
 
     def check_stateless(self, before: list[int]) -> None:
-        for (name, buf), version in zip(self._buffers, before):
-            if buf._version != version:
-                raise StatefulLayerError(
-                    f"layer {self.layer_index} ({self.kind}) changed its buffer '{name}' in forward. RoundPipe runs "
-                    f"layers on stateless workers and recomputes them, so a layer may not keep state (e.g. "
-                    f"BatchNorm running statistics): call .eval() on it, use a stateless variant (LayerNorm, "
-                    f"GroupNorm), or set track_running_stats=False.")
+        changed = [name for (name, buf), version in zip(self._buffers, before) if buf._version != version]
+        if changed:
+            raise StatefulLayerError(
+                f"layer {self.layer_index} ({self.kind}) changed its buffers {changed} in forward. RoundPipe runs "
+                f"layers on stateless workers and recomputes them, so a layer may not keep state (e.g. BatchNorm "
+                f"running statistics): call .eval() on it, use a stateless variant (LayerNorm, GroupNorm), or set "
+                f"track_running_stats=False.")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

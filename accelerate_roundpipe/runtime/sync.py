@@ -21,7 +21,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 POLL_S = 0.05
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

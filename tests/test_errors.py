@@ -1,0 +1,175 @@
+"""Bad input gets a clear error; a failure in any thread reaches the caller within seconds; nothing hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import EngineClosedError, RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.layer_copy import StatefulLayerError
+
+
+def small(*extra: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), *extra, nn.Linear(4, 3))
+
+
+def fb(engine, rows=4):
+    return engine.forward_backward(torch.randn(rows, 4), labels=torch.randint(0, 3, (rows,)),
+                                   loss_fn=nn.functional.cross_entropy)
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        raise ValueError("boom in layer")
+
+
+class ReturnsDict(nn.Module):
+    def forward(self, x):
+        return {"h": x}
+
+
+def test_not_a_sequential():
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        RoundPipe(nn.Linear(3, 3), RoundPipeConfig(devices=["cpu"]))
+
+
+def test_batch_smaller_than_microbatch_count_names_the_knob():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4))
+    with pytest.raises(ValueError, match=r"3 rows but num_microbatches \(env ROUNDPIPE_NUM_MICROBATCHES\) is 4"):
+        fb(engine, rows=3)
+    engine.close()
+
+
+def test_default_microbatch_count_adapts_to_small_batches():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"] * 3))
+    assert torch.isfinite(fb(engine, rows=2))
+    engine.close()
+
+
+def test_mismatched_batch_sizes_and_non_tensor_inputs():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
+    with pytest.raises(ValueError, match="same size"):
+        engine.forward_backward(torch.randn(4, 4), torch.randn(3, 4), labels=torch.zeros(4, dtype=torch.long),
+                                loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(TypeError, match="must be tensors"):
+        engine.forward_backward([1, 2], labels=None)
+    engine.close()
+
+
+def test_layer_output_that_is_not_tensors():
+    engine = RoundPipe(small(ReturnsDict()), RoundPipeConfig(devices=["cpu", "cpu"]))
+    with pytest.raises(TypeError, match=r"layer 2 \(ReturnsDict\) returned dict"):
+        fb(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("num_devices", [1, 3])
+def test_worker_exception_surfaces_then_engine_is_closed(num_devices):
+    engine = RoundPipe(small(Boom()), RoundPipeConfig(devices=["cpu"] * num_devices, num_microbatches=2))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="boom in layer") as info:
+        fb(engine)
+    assert time.monotonic() - start < 5
+    assert any("raised in worker" in note for note in getattr(info.value, "__notes__", []))
+    with pytest.raises(EngineClosedError, match="boom in layer"):
+        fb(engine)
+    with pytest.raises(EngineClosedError):
+        engine.synchronize()
+
+
+def test_optimizer_thread_exception_surfaces():
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("optimizer exploded")
+
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu", "cpu"]))
+    optimizer = engine.wrap_optimizer(Broken(engine.parameters(), lr=0.1))
+    fb(engine)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="optimizer exploded"):
+        engine.synchronize()
+    with pytest.raises(EngineClosedError):
+        fb(engine)
+
+
+def test_injected_fault_in_a_transfer_surfaces():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu", "cpu"]))
+
+    def hook(point):
+        if point == "transfer.download":
+            raise OSError("link down")
+
+    with faults.injected(hook), pytest.raises(OSError, match="link down"):
+        fb(engine)
+
+
+def test_stalled_worker_raises_timeout_instead_of_hanging():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu", "cpu"], wait_timeout_s=0.5))
+
+    def hook(point):
+        if point == "worker.task":
+            time.sleep(1.5)
+
+    start = time.monotonic()
+    with faults.injected(hook), pytest.raises(TimeoutError, match="wait_timeout_s"):
+        fb(engine)
+    assert time.monotonic() - start < 5
+
+
+def test_stateful_layer_is_rejected():
+    engine = RoundPipe(small(nn.BatchNorm1d(4)), RoundPipeConfig(devices=["cpu"]))
+    with pytest.raises(StatefulLayerError, match=r"layer 2 \(BatchNorm1d\) changed its buffers"):
+        fb(engine)
+
+
+def test_unwrapped_optimizer_is_detected():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
+    optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+    fb(engine)
+    engine.synchronize()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="wrap_optimizer"):
+        fb(engine)
+    engine.close()
+
+
+def test_optimizer_over_foreign_parameters_is_rejected():
+    module = small()
+    engine = RoundPipe(module, RoundPipeConfig(devices=["cpu"]))
+    with pytest.raises(ValueError, match="engine.parameters"):
+        engine.wrap_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    engine.close()
+
+
+def test_moving_the_engine_is_refused():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
+    assert engine.to("cpu") is engine
+    with pytest.raises(RuntimeError, match="devices="):
+        engine.to(torch.float16)
+    with pytest.raises(RuntimeError, match="param_dtype"):
+        engine.half()
+    engine.close()
+
+
+def test_step_between_forward_and_backward_is_refused():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], async_optimizer=False))
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    fb(engine)
+    out = engine(torch.randn(4, 4))
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="weights changed between model"):
+        out.sum().backward()
+    engine.close()
+
+
+def test_closed_engine_says_so():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
+    fb(engine)
+    engine.close()
+    with pytest.raises(EngineClosedError, match="closed"):
+        fb(engine)

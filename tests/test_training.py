@@ -1,0 +1,156 @@
+"""Training steps: the lagged optimizer follows the staleness rule exactly, in async and sync mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
+
+RTOL = 1e-10
+NUM_STEPS = 6
+LRS = [1e-2, 2e-2, 5e-3, 1e-2, 3e-2, 1e-2]  # changed between steps: the step uses the value at step() time
+
+
+def reference_training(model, batches, async_optimizer: bool, num_mb: int, dropout: bool):
+    """Plain PyTorch AdamW where iteration k's gradients use the weights after steps 0..k-2 (async) or 0..k-1."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LRS[0], weight_decay=0.1)
+    snapshots = [copy.deepcopy(model.state_dict())]  # snapshots[j]: weights after j steps
+    losses = []
+    for k, (x, mask, y) in enumerate(batches):
+        version = max(0, k - 1) if async_optimizer else k
+        probe = copy.deepcopy(model)
+        probe.load_state_dict(snapshots[version])
+        loss, grads = reference_loss_and_grads(probe, x, mask, y, num_microbatches=num_mb if dropout else None,
+                                               pass_index=k)
+        losses.append(loss)
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[k]
+        optimizer.step()
+        optimizer.zero_grad()
+        snapshots.append(copy.deepcopy(model.state_dict()))
+    return model, losses
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("async_optimizer", [True, False])
+def test_steps_follow_the_staleness_rule(async_optimizer, dropout):
+    model = tied_model(dropout=0.3 if dropout else 0.0)
+    batches = [batch(rows=9, seed=10 + k) for k in range(NUM_STEPS)]
+    num_mb = 4
+    ref_model, ref_losses = reference_training(model, batches, async_optimizer, num_mb, dropout)
+
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=num_mb, seed=0,
+                                                             async_optimizer=async_optimizer))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LRS[0], weight_decay=0.1))
+    losses = []
+    for k, (x, mask, y) in enumerate(batches):
+        losses.append(engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy))
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[k]
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    for k, (loss, ref) in enumerate(zip(losses, ref_losses)):
+        assert_close(loss, ref, RTOL, f"loss of iteration {k}")
+    reference = dict(ref_model.named_parameters())
+    for name, p in engine.module.named_parameters():
+        assert_close(p.detach(), reference[name].detach(), RTOL, f"weight {name}")
+    for name, p in engine.named_parameters():  # optimizer copies agree with the compute copies
+        assert_close(p.detach(), reference[name].detach(), RTOL, f"optimizer copy {name}")
+    engine.close()
+
+
+def test_async_differs_from_sync():
+    """Guard for the test above: the two rules give different weights, so each test pins its own rule."""
+    model = tied_model()
+    batches = [batch(rows=9, seed=10 + k) for k in range(3)]
+    a, _ = reference_training(model, batches, True, 4, False)
+    s, _ = reference_training(model, batches, False, 4, False)
+    assert not torch.allclose(a[0].linear.weight, s[0].linear.weight)
+
+
+def test_lr_scheduler_and_optimizer_state_dict_round_trip():
+    model = tied_model()
+    batches = [batch(rows=8, seed=30 + k) for k in range(6)]
+
+    def train(engine, optimizer, scheduler, items):
+        for x, mask, y in items:
+            engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+
+    def build(module):
+        engine = RoundPipe(module, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2))
+        optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return engine, optimizer, scheduler
+
+    engine, optimizer, scheduler = build(copy.deepcopy(model))
+    train(engine, optimizer, scheduler, batches[:3])
+    weights = {k: v.clone() for k, v in engine.state_dict().items()}  # synchronizes
+    opt_state = copy.deepcopy(optimizer.state_dict())
+    sched_state = scheduler.state_dict()
+    assert opt_state["state"] and opt_state["param_groups"][0]["lr"] == pytest.approx(5e-3)
+    train(engine, optimizer, scheduler, batches[3:])
+    engine.synchronize()
+    expected = {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    resumed, optimizer2, scheduler2 = build(copy.deepcopy(model))
+    resumed.load_state_dict(weights)
+    optimizer2.load_state_dict(opt_state)
+    scheduler2.load_state_dict(sched_state)
+    train(resumed, optimizer2, scheduler2, batches[3:])
+    resumed.synchronize()
+    for name, value in resumed.module.state_dict().items():
+        assert_close(value, expected[name], RTOL, name)
+    engine.close()
+    resumed.close()
+
+
+def test_zero_grad_semantics():
+    model = tied_model()
+    x, mask, y = batch(rows=6)
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2))
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    optimizer.zero_grad(set_to_none=False)
+    engine.synchronize()
+    assert all(p.grad is not None and not p.grad.any() for p in engine.parameters())
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    optimizer.zero_grad()  # set_to_none=True, like torch
+    engine.synchronize()
+    assert all(p.grad is None for p in engine.parameters())
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    optimizer.step()  # no gradients: nothing moves, as in torch
+    engine.synchronize()
+    assert all(torch.equal(before[n], p) for n, p in engine.named_parameters())
+    _, ref_grads = reference_loss_and_grads(model, x, mask, y)
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.synchronize()
+    for name, p in engine.named_parameters():
+        assert_close(p.grad, ref_grads[name], RTOL, name)
+    engine.close()
+
+
+def test_any_torch_optimizer_and_fused_adamw_by_default():
+    model = tied_model()
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"], num_microbatches=2))
+    adamw = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    assert adamw.param_groups[0]["fused"] is True
+    sgd = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=1e-3, momentum=0.9))
+    x, mask, y = batch(rows=4)
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    sgd.step()
+    engine.synchronize()
+    assert sgd.state_dict()["state"], "the wrapped SGD kept momentum state"
+    engine.close()
