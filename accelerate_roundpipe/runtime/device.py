@@ -14,9 +14,15 @@ import torch
 
 from . import faults
 
-# Every CPU worker shares torch's one CPU generator; seeding it for a layer and running the layer must not
-# interleave with another CPU worker doing the same.
-_CPU_RNG_LOCK = threading.Lock()
+# Workers on the same device (every CPU worker, or two workers given the same GPU) share that device's generator;
+# seeding it for a layer and launching the layer must not interleave with another worker doing the same.
+_RNG_LOCKS: dict[str, threading.Lock] = {}
+_RNG_LOCKS_GUARD = threading.Lock()
+
+
+def _rng_lock(device: torch.device) -> threading.Lock:
+    with _RNG_LOCKS_GUARD:
+        return _RNG_LOCKS.setdefault(str(device), threading.Lock())
 
 
 def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_index: int) -> int:
@@ -34,6 +40,7 @@ class Device:
         self.index = index
         self.is_cuda = device.type == "cuda"
         self.stream = None
+        self._rng_lock = _rng_lock(device)
 
     def __str__(self) -> str:
         return f"d{self.index}({self.device})"
@@ -72,10 +79,11 @@ class Device:
     @contextlib.contextmanager
     def rng(self, seed: int) -> Iterator[None]:
         if self.is_cuda:
-            torch.cuda.manual_seed(seed)  # this device's generator belongs to this worker alone
-            yield
+            with self._rng_lock:
+                torch.cuda.manual_seed(seed)  # RNG state is taken when kernels launch: the lock can end here
+                yield
             return
-        with _CPU_RNG_LOCK:
+        with self._rng_lock:
             saved = torch.get_rng_state()
             torch.manual_seed(seed)
             try:
