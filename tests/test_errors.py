@@ -119,6 +119,9 @@ def test_stalled_worker_raises_timeout_instead_of_hanging():
     with faults.injected(hook), pytest.raises(TimeoutError, match="wait_timeout_s"):
         fb(engine)
     assert time.monotonic() - start < 5
+    with pytest.raises(EngineClosedError, match="timed out"):
+        fb(engine)
+    engine.close()
 
 
 def test_stateful_layer_is_rejected():

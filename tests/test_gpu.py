@@ -40,7 +40,7 @@ def test_cuda_parity_float32(devices, recompute):
     model32 = tied_model().float()
     x, mask, y = batch(rows=11)
     x = x.float()
-    ref_loss, ref_grads = reference_loss_and_grads(model32.double(), x.double(), mask, y)
+    ref_loss, ref_grads = reference_loss_and_grads(copy.deepcopy(model32).double(), x.double(), mask, y)
     for num_mb in (1, 3, 4, 8):
         engine = RoundPipe(copy.deepcopy(model32), RoundPipeConfig(devices=devices, num_microbatches=num_mb, seed=0,
                                                                    recompute=recompute))

@@ -61,12 +61,14 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
     if lm_head_name is None:
         raise UnsupportedModelError(model, "the output embedding (`lm_head`) is not a direct child of the model")
 
-    inner_name = getattr(causal_lm, "base_model_prefix", "")
-    inner = causal_lm._modules.get(inner_name) if inner_name else None
-    if inner is None:
+    inner_name = _inner_model_name(causal_lm, lm_head_name)
+    if inner_name is None:
         raise UnsupportedModelError(
-            model, f"no inner decoder model found under `base_model_prefix` ({inner_name!r}), e.g. `model.model`"
+            model,
+            f"no inner decoder model found (a child under `base_model_prefix` "
+            f"{getattr(causal_lm, 'base_model_prefix', '')!r} or `model` with `get_input_embeddings`)",
         )
+    inner = causal_lm._modules[inner_name]
     if "inputs_embeds" not in inspect.signature(inner.forward).parameters:
         raise UnsupportedModelError(model, f"the inner model {type(inner).__name__} does not accept `inputs_embeds`")
     _refuse_stray_parameters(model, causal_lm, allowed=(inner_name, lm_head_name), where="the causal LM")
@@ -100,6 +102,14 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         lm_head=lm_head,
         lm_head_name=lm_head_name,
     )
+
+
+def _inner_model_name(causal_lm: nn.Module, lm_head_name: str) -> str | None:
+    """`base_model_prefix` names it in most models; some (Gemma3ForCausalLM in transformers 4.x) keep it at `model`."""
+    for name in (getattr(causal_lm, "base_model_prefix", ""), "model"):
+        if name and name != lm_head_name and hasattr(causal_lm._modules.get(name), "get_input_embeddings"):
+            return name
+    return None
 
 
 def _child_name(parent: nn.Module, child: nn.Module) -> str | None:

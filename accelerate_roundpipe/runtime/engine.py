@@ -6,6 +6,7 @@ makes the results independent of thread timing. Call the engine from one thread.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,11 +35,18 @@ def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
     return tuple(values)
 
 
-def _stop_threads(workers: list[Worker] | None, optimizer_box: list) -> None:
+def _stop_threads(workers: list[Worker] | None, optimizer_box: list, join_timeout_s: float = 10.0) -> None:
+    """Stop and join the engine's threads (also at interpreter exit: a thread killed inside a torch op aborts)."""
+    threads = []
     for worker in workers or []:
         worker.stop()
+        threads.append(worker.thread)
     if optimizer_box and optimizer_box[0] is not None:
         optimizer_box[0].close()
+        threads.append(optimizer_box[0].thread.thread)
+    for thread in threads:
+        if thread is not threading.current_thread() and thread.ident is not None:
+            thread.join(join_timeout_s)
 
 
 class RoundPipe(nn.Module):

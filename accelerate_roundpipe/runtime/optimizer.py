@@ -46,8 +46,8 @@ class OptimizerThread:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
-        self._thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
+        self.thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._cond:

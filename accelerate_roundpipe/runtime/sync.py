@@ -86,8 +86,12 @@ class FailureFlag:
         while not ready():
             self.check()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.timeout_s:.0f} s for {what}; raise wait_timeout_s "
-                                   f"(env ROUNDPIPE_WAIT_TIMEOUT_S) if this work is legitimately slow.")
+                error = TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise wait_timeout_s "
+                                     f"(env ROUNDPIPE_WAIT_TIMEOUT_S) if this work is legitimately slow.")
+                self.fail(error, "a wait that timed out")  # stop the other threads too
+                with self._lock:
+                    self._reported = self._reported or not getattr(_engine_thread, "active", False)
+                raise error
             cond.wait(POLL_S)
 
 

@@ -1,0 +1,104 @@
+"""The first layer (embeddings) and the decoder-layer wrappers of a split causal LM.
+
+[Note: decoder batch layout]
+Every pipeline layer receives and returns a flat tuple of tensors, each with the micro-batch rows on dim 0:
+
+    (hidden, attention_mask, position_ids, *extras)
+
+- `hidden`: [b, T, H] float; for the first layer, `input_ids` [b, T] (integer) or `inputs_embeds` [b, T, H].
+- `attention_mask`: the 2-D padding mask [b, T] as the user gave it (left or right padding), or an empty [b, 0]
+  tensor meaning "no mask given" (HF then treats `position_ids` restarts as packed sequences).
+- `position_ids`: [b, T] integer.
+- `extras` is empty when the batch has no labels: the head then returns logits. With labels it is
+  `(labels [b, T], num_items_in_batch [b])`, preceded for MoE families with a router aux loss by
+  `(router_counts, router_probs, batch_tokens)` (see [Note: router statistics] in `router_aux.py`).
+
+Masks, rotary embeddings and the other decoder-layer arguments are recomputed inside each layer from this compact
+data by the model's own code (see [Note: shells] in `shell.py`), so no B x T x T tensor ever travels between layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .router_aux import add_router_statistics, recording
+from .shell import capture_layer_call
+
+
+def optional_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """The mask to hand to HF: None for the [b, 0] "no mask given" form (a shape test, so no device sync)."""
+    return None if attention_mask.shape[-1] == 0 else attention_mask
+
+
+class EmbeddingLayer(nn.Module):
+    """Layer 0: token ids (or given embeddings) to the hidden state that enters decoder layer 0.
+
+    The hidden state is taken from the model's own forward (`inner` is a shell, see [Note: shells]), so embedding
+    scaling done outside the embedding module (Gemma2 in transformers 4.x) is kept.
+    """
+
+    def __init__(self, inner_shell: nn.Module):
+        super().__init__()
+        self.inner = inner_shell
+
+    def forward(self, tokens, attention_mask, position_ids, *extras):
+        source = {"inputs_embeds": tokens} if tokens.is_floating_point() else {"input_ids": tokens}
+        args, kwargs = capture_layer_call(
+            self.inner,
+            0,
+            attention_mask=optional_mask(attention_mask),
+            position_ids=position_ids,
+            use_cache=False,
+            **source,
+        )
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden, attention_mask, position_ids, *extras)
+
+
+class DecoderLayer(nn.Module):
+    """One HF decoder layer, called with the arguments the model's own forward would give it.
+
+    Args:
+        decoder_layer: the HF layer itself (shared with the model, LoRA adapters included).
+        inner_shell: a shell of the inner model without embeddings (see [Note: shells]).
+        layer_index: the position of `decoder_layer` in the model.
+        router_top_k: the router's top-k when this layer must add router statistics (MoE aux loss), else None.
+    """
+
+    def __init__(self, decoder_layer: nn.Module, inner_shell: nn.Module, layer_index: int, router_top_k: int | None):
+        super().__init__()
+        self.decoder_layer = decoder_layer
+        self.inner = inner_shell
+        self.layer_index = layer_index
+        self.router_top_k = router_top_k
+
+    def forward(self, hidden, attention_mask, position_ids, *extras):
+        # `hidden` is detached here: the shell only reads its shape, dtype and device (some models also scale it,
+        # which must not reach the autograd graph).
+        args, kwargs = capture_layer_call(
+            self.inner,
+            self.layer_index,
+            inputs_embeds=hidden.detach(),
+            attention_mask=optional_mask(attention_mask),
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        tracks_router = self.router_top_k is not None and len(extras) > 0
+        if tracks_router:
+            with recording() as router_outputs:
+                output = self._call_layer(hidden, args, kwargs)
+            router_counts, router_probs = add_router_statistics(
+                router_outputs, attention_mask, extras[0], extras[1], self.router_top_k
+            )
+            extras = (router_counts, router_probs, *extras[2:])
+        else:
+            output = self._call_layer(hidden, args, kwargs)
+        return (output, attention_mask, position_ids, *extras)
+
+    def _call_layer(self, hidden, args, kwargs):
+        if "hidden_states" in kwargs:
+            output = self.decoder_layer(*args, **{**kwargs, "hidden_states": hidden})
+        else:
+            output = self.decoder_layer(hidden, *args[1:], **kwargs)
+        return output[0] if isinstance(output, tuple) else output

@@ -1,0 +1,162 @@
+"""`split_causal_lm`: a Hugging Face decoder-only causal LM as the `nn.Sequential` of layers the engine runs."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .batch import build_batch
+from .head import CausalLMHead, FinalNorm
+from .layers import DecoderLayer, EmbeddingLayer
+from .parts import DecoderParts, find_decoder_parts
+from .registry import FamilySpec, family_for
+from .router_aux import install_router_hooks
+from .shell import _UnusedPart, decoder_stubs, make_shell
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOSS_CHUNK_TOKENS = 4096
+
+
+@dataclass(kw_only=True)
+class DecoderSplit:
+    """A causal LM cut into pipeline layers, and the function that builds their input batch.
+
+    `layers` is `EmbeddingLayer -> DecoderLayer x num_hidden_layers -> CausalLMHead`. Its parameters are the
+    model's own Parameter objects (a tied `lm_head.weight` is the embedding's, in the first and the last layer).
+
+    What the last layer returns depends on the batch alone ([Note: decoder batch layout] in `layers.py`): a batch
+    from `prepare_inputs(..., labels=...)` gives the micro-batch loss (0-dim, already divided by the whole batch's
+    label count, so the sum over micro-batches is the batch loss); a batch without labels gives the logits
+    [b, T, vocab] as `model(...).logits` would.
+    """
+
+    layers: nn.Sequential
+    family: FamilySpec
+    router_experts: int | None = None
+    source_model: nn.Module = field(repr=False)
+
+    def prepare_inputs(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The whole batch as the tuple layer 0 takes; every tensor has the batch rows on dim 0 and may be split."""
+        return build_batch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            labels=labels,
+            inputs_embeds=inputs_embeds,
+            num_items_in_batch=num_items_in_batch,
+            router_experts=self.router_experts,
+            router_probs_dtype=torch.promote_types(self._parameter_dtype(), torch.float32),
+        )
+
+    def parameter_names(self) -> dict[str, str]:
+        """Name of each parameter in `layers` (as `layers.named_parameters()` gives it) -> its name in the model."""
+        source_names = {id(p): name for name, p in self.source_model.named_parameters(remove_duplicate=False)}
+        return {name: source_names[id(p)] for name, p in self.layers.named_parameters()}
+
+    def _parameter_dtype(self) -> torch.dtype:
+        return next(self.layers[-1].parameters()).dtype
+
+
+def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> DecoderSplit:
+    """Split a decoder-only HF causal LM (or a `peft.PeftModel` around one) into pipeline layers.
+
+    Args:
+        model: a `*ForCausalLM` such as Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma2/3, Phi3, GPT-OSS; with PEFT, the
+            LoRA adapters stay inside the decoder layers and frozen parameters stay frozen.
+        loss_chunk_tokens: tokens per cross-entropy chunk in the head (bounds the fp32 logits held at once).
+
+    The layers share modules with `model` (no weights are copied). HF gradient checkpointing is switched off on the
+    model, since the engine recomputes activations itself. Raises `UnsupportedModelError` naming what is missing.
+    """
+    parts = find_decoder_parts(model)
+    family = family_for(parts.causal_lm)
+    _disable_hf_gradient_checkpointing(parts.causal_lm)
+
+    causal_lm = parts.causal_lm
+    router_top_k = router_coef = router_experts = None
+    if family.switch_router_aux_loss and getattr(causal_lm.config, "output_router_logits", False):
+        install_router_hooks(parts.inner, parts.decoder_layers)
+        router_top_k = causal_lm.num_experts_per_tok
+        router_coef = float(causal_lm.router_aux_loss_coef)
+        router_experts = causal_lm.num_experts
+
+    stubs = decoder_stubs(parts.decoder_layers)
+    first = EmbeddingLayer(_inner_shell(parts, stubs, keep_embed=True))
+    middle = [
+        DecoderLayer(layer, _inner_shell(parts, stubs, keep_embed=False), index, router_top_k)
+        for index, layer in enumerate(parts.decoder_layers)
+    ]
+    head = CausalLMHead(
+        _causal_lm_shell(parts),
+        logits_kwargs=_logits_kwargs(causal_lm),
+        loss_chunk_tokens=loss_chunk_tokens,
+        router_aux_loss_coef=router_coef,
+    )
+    return DecoderSplit(
+        layers=nn.Sequential(first, *middle, head),
+        family=family,
+        router_experts=router_experts,
+        source_model=model,
+    )
+
+
+def _parameter_free_children(module: nn.Module, exclude: tuple) -> dict[str, nn.Module]:
+    return {
+        name: child
+        for name, child in module.named_children()
+        if name not in exclude and next(child.parameters(), None) is None
+    }
+
+
+def _inner_shell(parts: DecoderParts, stubs: list, keep_embed: bool) -> nn.Module:
+    """Shell of the inner model (see [Note: shells]): rotary and other parameter-free parts, stub layers."""
+    children = _parameter_free_children(parts.inner, exclude=(parts.embed_name, parts.layers_name, parts.norm_name))
+    plain = {parts.layers_name: stubs}
+    if keep_embed:
+        children[parts.embed_name] = parts.embed
+    else:
+        plain[parts.embed_name] = _UnusedPart(parts.embed_name)
+    if parts.norm_name is not None:
+        plain[parts.norm_name] = _UnusedPart(parts.norm_name)
+    return make_shell(parts.inner, children, plain)
+
+
+def _causal_lm_shell(parts: DecoderParts) -> nn.Module:
+    """Shell of the causal LM whose inner model only applies the final norm (see `head.py`)."""
+    children = _parameter_free_children(parts.causal_lm, exclude=(parts.inner_name, parts.lm_head_name))
+    children[parts.inner_name] = FinalNorm(parts.norm)
+    children[parts.lm_head_name] = parts.lm_head
+    return make_shell(parts.causal_lm, children, plain={})
+
+
+def _logits_kwargs(causal_lm: nn.Module) -> dict:
+    # MoE heads would otherwise compute an aux loss from router logits the head shell does not have.
+    parameters = inspect.signature(causal_lm.forward).parameters
+    return {"output_router_logits": False} if "output_router_logits" in parameters else {}
+
+
+def _disable_hf_gradient_checkpointing(causal_lm: nn.Module) -> None:
+    checkpointed = [module for module in causal_lm.modules() if getattr(module, "gradient_checkpointing", False)]
+    if not checkpointed:
+        return
+    logger.warning(
+        "Turning off Hugging Face gradient checkpointing on %s: RoundPipe recomputes activations itself.",
+        type(causal_lm).__name__,
+    )
+    if hasattr(causal_lm, "gradient_checkpointing_disable"):
+        causal_lm.gradient_checkpointing_disable()
+    for module in checkpointed:
+        module.gradient_checkpointing = False
