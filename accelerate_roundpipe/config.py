@@ -65,7 +65,9 @@ class RoundPipeConfig:
         num_microbatches (`int`, env `ROUNDPIPE_NUM_MICROBATCHES`): micro-batches per `forward_backward` call.
             Default: twice the device count, lowered to the batch size for small batches.
         microbatches_per_round (`int`, env `ROUNDPIPE_MICROBATCHES_PER_ROUND`): micro-batches each dispatched task
-            runs. Default: the device count (the smallest value with no bubble inside a round).
+            runs. Default: all micro-batches of the call (one round: each weight crosses PCIe once per direction per
+            iteration). Smaller rounds bound the host memory kept for recomputation; below the device count they
+            leave idle gaps in each round.
         async_optimizer (`bool`, env `ROUNDPIPE_ASYNC_OPTIMIZER`): step the optimizer one iteration late, in the
             background (staleness 1). Default: true.
         param_dtype (`torch.dtype`, env `ROUNDPIPE_PARAM_DTYPE`): dtype of the compute copies. Default: the
@@ -92,7 +94,7 @@ class RoundPipeConfig:
     num_microbatches: int | None = field(default=None, metadata={
         "help": "Micro-batches per forward_backward call. Default: 2 x devices, lowered to the batch size."})
     microbatches_per_round: int | None = field(default=None, metadata={
-        "help": "Micro-batches each dispatched task runs. Default: the device count."})
+        "help": "Micro-batches each dispatched task runs. Default: all of the call's micro-batches (one round)."})
     async_optimizer: bool | None = field(default=None, metadata={
         "help": "Step the optimizer one iteration late in the background (staleness 1). Default: true."})
     param_dtype: torch.dtype | str | None = field(default=None, metadata={

@@ -47,9 +47,11 @@ def test_split_equals_whole_batch(num_devices, recompute, partition):
     x, mask, y = batch(rows=11)
     ref_loss, ref_grads = reference_loss_and_grads(model, x, mask, y)
     for num_mb in range(1, 9):  # 11 rows: most splits are uneven
-        loss, grads = engine_loss_and_grads(model, x, mask, y, devices=["cpu"] * num_devices,
-                                            num_microbatches=num_mb, recompute=recompute, **PARTITIONS[partition])
-        check(loss, grads, ref_loss, ref_grads)
+        for per_round in {None, num_devices}:  # one round, and rounds of one micro-batch per device
+            loss, grads = engine_loss_and_grads(model, x, mask, y, devices=["cpu"] * num_devices,
+                                                num_microbatches=num_mb, microbatches_per_round=per_round,
+                                                recompute=recompute, **PARTITIONS[partition])
+            check(loss, grads, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("recompute", ["stage", "layer"])
@@ -62,7 +64,7 @@ def test_dropout_masks_replayed_in_recompute(num_devices, recompute):
     for num_mb in (1, 3, 4, 8):
         ref_loss, ref_grads = reference_loss_and_grads(model, x, mask, y, num_microbatches=num_mb)
         loss, grads = engine_loss_and_grads(model, x, mask, y, devices=["cpu"] * num_devices,
-                                            num_microbatches=num_mb, recompute=recompute)
+                                            num_microbatches=num_mb, recompute=recompute, microbatches_per_round=2)
         check(loss, grads, ref_loss, ref_grads)
         whole_loss, _ = reference_loss_and_grads(model, x, mask, y)
         assert abs(loss.item() - whole_loss.item()) > 1e-6, "dropout should be active in this test"

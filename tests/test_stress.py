@@ -21,6 +21,7 @@ NUM_ITERATIONS = 50
 
 def train(model, async_optimizer: bool):
     engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=5, seed=3,
+                                                             microbatches_per_round=3,
                                                              async_optimizer=async_optimizer))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
     losses = []

@@ -49,6 +49,7 @@ def test_steps_follow_the_staleness_rule(async_optimizer, dropout):
     ref_model, ref_losses = reference_training(model, batches, async_optimizer, num_mb, dropout)
 
     engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=num_mb, seed=0,
+                                                             microbatches_per_round=3,
                                                              async_optimizer=async_optimizer))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LRS[0], weight_decay=0.1))
     losses = []

@@ -229,7 +229,7 @@ class RoundPipe(nn.Module):
     # ------------------------------------------------------------------ internals
 
     def _schedule(self, num_mb: int, mode: Mode) -> list[Task]:
-        per_round = self.config.microbatches_per_round or len(self.devices)
+        per_round = self.config.microbatches_per_round or num_mb
         return build_schedule(self.partition, num_mb, per_round, len(self.devices), self._next_device, mode)
 
     def _new_pass_index(self) -> int:
