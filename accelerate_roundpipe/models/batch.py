@@ -28,7 +28,9 @@ def build_batch(
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to `prepare_inputs`.")
     tokens = input_ids if input_ids is not None else inputs_embeds
     if tokens.dim() < 2:
-        raise ValueError(f"`input_ids`/`inputs_embeds` must be batched ([batch, seq, ...]); got shape {tuple(tokens.shape)}.")
+        raise ValueError(
+            f"`input_ids`/`inputs_embeds` must be batched ([batch, seq, ...]); got shape {tuple(tokens.shape)}."
+        )
     num_rows, seq_len = tokens.shape[:2]
     device = tokens.device
 

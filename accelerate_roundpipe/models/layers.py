@@ -64,14 +64,24 @@ class DecoderLayer(nn.Module):
         inner_shell: a shell of the inner model without embeddings (see [Note: shells]).
         layer_index: the position of `decoder_layer` in the model.
         router_top_k: the router's top-k when this layer must add router statistics (MoE aux loss), else None.
+        router_logits_in_output: the router logits come as the last element of the layer's output tuple (older
+            MoE families) rather than from hooks on the routers (see `install_router_hooks`).
     """
 
-    def __init__(self, decoder_layer: nn.Module, inner_shell: nn.Module, layer_index: int, router_top_k: int | None):
+    def __init__(
+        self,
+        decoder_layer: nn.Module,
+        inner_shell: nn.Module,
+        layer_index: int,
+        router_top_k: int | None = None,
+        router_logits_in_output: bool = False,
+    ):
         super().__init__()
         self.decoder_layer = decoder_layer
         self.inner = inner_shell
         self.layer_index = layer_index
         self.router_top_k = router_top_k
+        self.router_logits_in_output = router_logits_in_output
 
     def forward(self, hidden, attention_mask, position_ids, *extras):
         # `hidden` is detached here: the shell only reads its shape, dtype and device (some models also scale it,
@@ -84,21 +94,23 @@ class DecoderLayer(nn.Module):
             position_ids=position_ids,
             use_cache=False,
         )
-        tracks_router = self.router_top_k is not None and len(extras) > 0
-        if tracks_router:
-            with recording() as router_outputs:
-                output = self._call_layer(hidden, args, kwargs)
-            router_counts, router_probs = add_router_statistics(
-                router_outputs, attention_mask, extras[0], extras[1], self.router_top_k
-            )
-            extras = (router_counts, router_probs, *extras[2:])
-        else:
-            output = self._call_layer(hidden, args, kwargs)
-        return (output, attention_mask, position_ids, *extras)
-
-    def _call_layer(self, hidden, args, kwargs):
+        # The real hidden state replaces the one the shell saw (its own `hidden.detach()`, possibly scaled).
         if "hidden_states" in kwargs:
-            output = self.decoder_layer(*args, **{**kwargs, "hidden_states": hidden})
+            kwargs = {**kwargs, "hidden_states": hidden}
         else:
-            output = self.decoder_layer(hidden, *args[1:], **kwargs)
-        return output[0] if isinstance(output, tuple) else output
+            args = (hidden, *args[1:])
+        if self.router_top_k is None or not extras:
+            return (_hidden_of(self.decoder_layer(*args, **kwargs)), attention_mask, position_ids, *extras)
+
+        with recording() as router_outputs:
+            output = self.decoder_layer(*args, **kwargs)
+        if self.router_logits_in_output and isinstance(output, tuple) and output[-1] is not None:
+            router_outputs.append(output[-1])
+        router_counts, router_probs = add_router_statistics(
+            router_outputs, attention_mask, extras[0], extras[1], self.router_top_k
+        )
+        return (_hidden_of(output), attention_mask, position_ids, router_counts, router_probs, *extras[2:])
+
+
+def _hidden_of(layer_output):
+    return layer_output[0] if isinstance(layer_output, tuple) else layer_output

@@ -35,8 +35,8 @@ class FamilySpec:
 GENERIC = FamilySpec(name="generic")
 
 _FAMILIES: dict[str, FamilySpec] = {
-    # Checked against HF in tests/models: qwen3_moe, gpt_oss, mixtral, qwen2_moe. They share one load-balancing
-    # function (copied between their modeling files); GPT-OSS's sinks and sliding/full alternation need no entry.
+    # Each checked against HF in tests/models. They share one load-balancing function (copied between their
+    # modeling files); GPT-OSS's attention sinks and sliding/full alternation need nothing here.
     name: FamilySpec(name=name, switch_router_aux_loss=True)
     for name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe")
 }

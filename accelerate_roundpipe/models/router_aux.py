@@ -25,10 +25,12 @@ import functools
 import torch
 from torch import nn
 
+from .errors import UnsupportedModelError
+
 _records: contextvars.ContextVar[list | None] = contextvars.ContextVar("roundpipe_router_records", default=None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _router_specs(inner_class: type) -> tuple:
     """`_can_record_outputs["router_logits"]` of the inner model class, as (target_class, class_name, index, name)."""
     specs = getattr(inner_class, "_can_record_outputs", None) or {}
@@ -50,18 +52,17 @@ def _record_router_output(module, args, output, *, index: int) -> None:
         records.append(output[index] if isinstance(output, tuple) else output)
 
 
-def install_router_hooks(inner: nn.Module, decoder_layers: nn.ModuleList) -> None:
+def install_router_hooks(inner: nn.Module, decoder_layers: nn.ModuleList) -> bool:
     """Put a recording forward hook on every router module in the decoder layers (once; inert outside `recording`).
 
     The routers are found the way HF finds them for `output_router_logits`, from the inner model's
-    `_can_record_outputs["router_logits"]`.
+    `_can_record_outputs["router_logits"]`. Returns False when the model declares none: older families
+    (transformers 4.x Qwen2-MoE, OLMoE) return the router logits as the last element of each decoder layer's output
+    instead, when called with `output_router_logits=True`.
     """
     specs = _router_specs(type(inner))
     if not specs:
-        raise ValueError(
-            f"{type(inner).__name__} declares no `_can_record_outputs['router_logits']`, so its routers cannot be "
-            "found; set `config.output_router_logits = False` to train without the router auxiliary loss."
-        )
+        return False
     found = 0
     for layer_index, layer in enumerate(decoder_layers):
         for name, module in layer.named_modules(prefix=f"layers.{layer_index}"):
@@ -72,10 +73,16 @@ def install_router_hooks(inner: nn.Module, decoder_layers: nn.ModuleList) -> Non
                 if not matches or (layer_name is not None and f".{layer_name.strip('.')}." not in f".{name}."):
                     continue
                 found += 1
-                if not any(getattr(hook, "func", None) is _record_router_output for hook in module._forward_hooks.values()):
+                hooks = module._forward_hooks.values()
+                if not any(getattr(hook, "func", None) is _record_router_output for hook in hooks):
                     module.register_forward_hook(functools.partial(_record_router_output, index=index))
     if found == 0:
-        raise ValueError(f"No router module found in the decoder layers of {type(inner).__name__}.")
+        raise UnsupportedModelError(
+            inner,
+            "no router module named by `_can_record_outputs['router_logits']` was found in the decoder layers; "
+            "set `config.output_router_logits = False` to train without the router auxiliary loss",
+        )
+    return True
 
 
 class recording:

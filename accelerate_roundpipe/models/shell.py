@@ -55,7 +55,7 @@ class _LayerStub:
         return args[0].unsqueeze(0) if args else kwargs["hidden_states"].unsqueeze(0)
 
 
-class _UnusedPart:
+class UnusedPart:
     """Placeholder for a part of the inner model that this shell must never reach (a clear error if it does)."""
 
     def __init__(self, name: str):

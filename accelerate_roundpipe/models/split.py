@@ -15,11 +15,12 @@ from .layers import DecoderLayer, EmbeddingLayer
 from .parts import DecoderParts, find_decoder_parts
 from .registry import FamilySpec, family_for
 from .router_aux import install_router_hooks
-from .shell import _UnusedPart, decoder_stubs, make_shell
+from .shell import UnusedPart, decoder_stubs, make_shell
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LOSS_CHUNK_TOKENS = 4096
+# 1024 tokens x a 152k vocabulary is about 0.6 GB of fp32 logits per chunk.
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
 @dataclass(kw_only=True)
@@ -63,7 +64,8 @@ class DecoderSplit:
 
     def parameter_names(self) -> dict[str, str]:
         """Name of each parameter in `layers` (as `layers.named_parameters()` gives it) -> its name in the model."""
-        source_names = {id(p): name for name, p in self.source_model.named_parameters(remove_duplicate=False)}
+        # A tied parameter gets the name the model lists first (as `named_parameters()` does).
+        source_names = {id(p): name for name, p in self.source_model.named_parameters()}
         return {name: source_names[id(p)] for name, p in self.layers.named_parameters()}
 
     def _parameter_dtype(self) -> torch.dtype:
@@ -87,8 +89,9 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
 
     causal_lm = parts.causal_lm
     router_top_k = router_coef = router_experts = None
+    router_logits_in_output = False
     if family.switch_router_aux_loss and getattr(causal_lm.config, "output_router_logits", False):
-        install_router_hooks(parts.inner, parts.decoder_layers)
+        router_logits_in_output = not install_router_hooks(parts.inner, parts.decoder_layers)
         router_top_k = causal_lm.num_experts_per_tok
         router_coef = float(causal_lm.router_aux_loss_coef)
         router_experts = causal_lm.num_experts
@@ -96,7 +99,7 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
     stubs = decoder_stubs(parts.decoder_layers)
     first = EmbeddingLayer(_inner_shell(parts, stubs, keep_embed=True))
     middle = [
-        DecoderLayer(layer, _inner_shell(parts, stubs, keep_embed=False), index, router_top_k)
+        DecoderLayer(layer, _inner_shell(parts, stubs, keep_embed=False), index, router_top_k, router_logits_in_output)
         for index, layer in enumerate(parts.decoder_layers)
     ]
     head = CausalLMHead(
@@ -128,9 +131,9 @@ def _inner_shell(parts: DecoderParts, stubs: list, keep_embed: bool) -> nn.Modul
     if keep_embed:
         children[parts.embed_name] = parts.embed
     else:
-        plain[parts.embed_name] = _UnusedPart(parts.embed_name)
+        plain[parts.embed_name] = UnusedPart(parts.embed_name)
     if parts.norm_name is not None:
-        plain[parts.norm_name] = _UnusedPart(parts.norm_name)
+        plain[parts.norm_name] = UnusedPart(parts.norm_name)
     return make_shell(parts.inner, children, plain)
 
 
@@ -156,7 +159,11 @@ def _disable_hf_gradient_checkpointing(causal_lm: nn.Module) -> None:
         "Turning off Hugging Face gradient checkpointing on %s: RoundPipe recomputes activations itself.",
         type(causal_lm).__name__,
     )
-    if hasattr(causal_lm, "gradient_checkpointing_disable"):
-        causal_lm.gradient_checkpointing_disable()
+    # transformers 5 renamed it (the old name warns); 4.x has only the old one.
+    disable = getattr(causal_lm, "activation_checkpointing_disable", None) or getattr(
+        causal_lm, "gradient_checkpointing_disable", None
+    )
+    if disable is not None:
+        disable()
     for module in checkpointed:
         module.gradient_checkpointing = False

@@ -1,0 +1,56 @@
+"""A model the split cannot handle gets an error naming the missing piece and the way out."""
+
+import pytest
+import transformers
+from split_helpers import build_model
+from torch import nn
+
+from accelerate_roundpipe.models import FamilySpec, UnsupportedModelError, register_family, split_causal_lm
+from accelerate_roundpipe.models.registry import _FAMILIES
+
+WAY_OUT = "pass that `torch.nn.Sequential` to `RoundPipe` directly"
+
+
+def _split_error(model) -> str:
+    with pytest.raises(UnsupportedModelError) as error:
+        split_causal_lm(model)
+    message = str(error.value)
+    assert WAY_OUT in message
+    return message
+
+
+def test_plain_module():
+    assert "has no `config`" in _split_error(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_encoder_decoder():
+    config = transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=64)
+    assert "encoder-decoder" in _split_error(transformers.T5ForConditionalGeneration(config))
+
+
+def test_model_without_lm_head():
+    model = build_model("llama").model  # LlamaModel: no head
+    assert "lm_head" in _split_error(model)
+
+
+def test_unknown_parameterised_parts():
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    message = _split_error(transformers.GPT2LMHeadModel(config))
+    assert "wpe" in message  # learned position embeddings: the split cannot tell where they are used
+
+
+def test_missing_decoder_layers():
+    model = build_model("llama")
+    model.model.layers = nn.ModuleList(list(model.model.layers)[:1])  # no longer config.num_hidden_layers long
+    assert "decoder layers" in _split_error(model)
+
+
+def test_router_aux_loss_of_an_unregistered_family():
+    model = build_model("qwen3_moe")
+    saved = _FAMILIES.pop("qwen3_moe")
+    try:
+        message = _split_error(model)
+    finally:
+        register_family(saved)
+    assert "output_router_logits = False" in message and "register_family" in message
+    assert _FAMILIES["qwen3_moe"] == FamilySpec(name="qwen3_moe", switch_router_aux_loss=True)
