@@ -19,9 +19,9 @@ from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task, build_schedule
 from .device import Device
 from .host_store import HostStore
-from .jobs import PassState, TaskJob, split_rows
+from .jobs import DeferredCommit, PassState, TaskJob, split_rows
 from .optimizer import LaggedOptimizer
-from .sync import FailureFlag, Future
+from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
 
 _KEEP_SCHEDULES = 4
@@ -36,17 +36,33 @@ def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
 
 
 def _stop_threads(workers: list[Worker] | None, optimizer_box: list, join_timeout_s: float = 10.0) -> None:
-    """Stop and join the engine's threads (also at interpreter exit: a thread killed inside a torch op aborts)."""
+    """Stop and join the engine's threads (also at interpreter exit: a thread killed inside a torch op aborts).
+    `optimizer_box` holds the lagged optimizer and the host-ops executor (either may be None)."""
     threads = []
     for worker in workers or []:
         worker.stop()
         threads.append(worker.thread)
-    if optimizer_box and optimizer_box[0] is not None:
-        optimizer_box[0].close()
-        threads.append(optimizer_box[0].thread.thread)
+    for owner in optimizer_box:
+        if owner is None:
+            continue
+        executor = owner.thread if isinstance(owner, LaggedOptimizer) else owner
+        executor.stop()
+        threads.append(executor.thread)
     for thread in threads:
         if thread is not threading.current_thread() and thread.ident is not None:
             thread.join(join_timeout_s)
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """A callback that does not keep the engine alive (its threads stop when it is collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 class RoundPipe(nn.Module):
@@ -62,30 +78,37 @@ class RoundPipe(nn.Module):
         model.synchronize()  # model.module now holds the newest weights
     """
 
-    def __init__(self, module: nn.Module, config: RoundPipeConfig | None = None) -> None:
+    def __init__(self, module: nn.Module, config: RoundPipeConfig | None = None, *,
+                 layers: nn.Sequential | None = None) -> None:
         super().__init__()
-        if not isinstance(module, nn.Sequential):
+        pipeline = module if layers is None else layers
+        if not isinstance(pipeline, nn.Sequential):
             raise TypeError(
                 f"RoundPipe takes an nn.Sequential whose children are the pipeline layers; got "
                 f"{type(module).__name__}. Wrap your layers in torch.nn.Sequential (each child's output feeding the "
                 f"next), or use accelerate_roundpipe.wrap_model for Hugging Face causal LMs.")
-        if len(module) == 0:
+        if len(pipeline) == 0:
             raise ValueError("RoundPipe got an empty nn.Sequential; it needs at least one layer.")
         self.config = config if config is not None else RoundPipeConfig()
         self.module = module
+        # The layers share their parameters with `module`; kept unregistered so parameters are not listed twice.
+        object.__setattr__(self, "layers", pipeline)
         self.devices = [Device(d, i) for i, d in enumerate(self.config.resolved_devices())]
         uses_cuda = any(d.is_cuda for d in self.devices)
         pin = self.config.pin_memory if self.config.pin_memory is not None else uses_cuda
         names = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
-        self._store = HostStore(list(module), self.config.param_dtype, self.config.optimizer_dtype, pin, names)
-        self.partition: Partition = plan_partition(len(module), forward_stages=self.config.forward_stages,
+        self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names)
+        self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._workers: list[Worker] | None = None
-        self._optimizer_box: list[LaggedOptimizer | None] = [None]
+        # [lagged optimizer, host-ops executor], both created on first use.
+        self._optimizer_box: list[Any] = [None, None]
+        self._pending: DeferredCommit | None = None
+        self.expected_grad_scale = 1.0  # the scale a deferred loss's backward is expected to bring
         self._next_device = 0
         self._num_passes = 0
         self._inflight: list[Future] = []
@@ -120,20 +143,27 @@ class RoundPipe(nn.Module):
             self.synchronize()
             self.optimizer.close()
         self._optimizer_box[0] = LaggedOptimizer(optimizer, self._store, self._failure,
-                                                 self.config.resolved_async_optimizer)
+                                                 self.config.resolved_async_optimizer,
+                                                 before_grad_use=_weak_call(self.drop_pending_gradients))
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
 
     def forward_backward(self, *inputs: torch.Tensor, labels: Any = None, loss_fn: Callable | None = None,
-                         loss_reduction: str = "mean", grad_scale: float = 1.0) -> torch.Tensor:
-        """Fused pipelined forward + loss + backward over the whole batch; returns the loss (detached).
+                         loss_reduction: str = "mean", grad_scale: float = 1.0,
+                         deferred: bool = False) -> torch.Tensor:
+        """Fused pipelined forward + loss + backward over the whole batch; returns the loss.
 
         The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch: micro-batch
         losses are weighted by their share of rows (`loss_reduction="mean"`) or summed (`"sum"`). Without `loss_fn`
         the last layer must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
         (complete after `synchronize()`, and always before the next `optimizer.step()` uses them), multiplied by
         `grad_scale`.
+
+        With `deferred=True` the returned loss carries an autograd node: `backward()` reaching it with gradient c
+        commits the pass's gradients scaled by c (`grad_scale` is ignored; `expected_grad_scale` is the c the
+        pipeline assumes, exact either way), and a pass never back-propagated is dropped at the next pass,
+        `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit].
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
@@ -143,17 +173,63 @@ class RoundPipe(nn.Module):
         mb_labels = split_rows(_tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
         mb_rows = [x[0].shape[0] for x in mb_inputs]
         shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]
+        scale = self.expected_grad_scale if deferred else grad_scale
+        if deferred and scale == 0:
+            raise ValueError("expected_grad_scale must be non-zero.")
         state = PassState(self._new_pass_index(), Mode.TRAIN, self.training, mb_rows,
                           self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
-                          labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * grad_scale for s in shares],
-                          losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)])
+                          labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
+                          losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
+                          deferred=DeferredCommit(scale) if deferred else None)
         self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         self._release_writebacks()
         losses = [f.get(self._failure) for f in state.losses]
         total = losses[0] * shares[0]
         for loss, share in zip(losses[1:], shares[1:]):
             total = total + loss * share
-        return total
+        if not deferred:
+            return total
+        self._pending = state.deferred
+        return _DeferredLoss.apply(self, state.deferred, torch.empty(0, requires_grad=True), total)
+
+    def drop_pending_gradients(self) -> None:
+        """Drop the gradients of a deferred pass whose loss was never back-propagated."""
+        if self._pending is not None:
+            self._resolve(self._pending, None)
+
+    def _resolve(self, deferred: DeferredCommit, scale: float | None) -> None:
+        """Commit (`scale` = the loss's gradient) or drop (`None`) a deferred pass's gradients."""
+        if deferred.resolved:
+            raise RuntimeError("backward ran twice through the same RoundPipe loss; its gradients were already "
+                               "committed (or dropped by a later pass or optimizer step).")
+        deferred.resolved = True
+        if self._pending is deferred:
+            self._pending = None
+        ratio = None if scale is None else scale / deferred.expected_scale
+        if self._optimizer_box[1] is None:
+            self._optimizer_box[1] = SerialExecutor(self._failure, "roundpipe-host-ops")
+        for bucket in self._store.trainable_buckets:
+            ticket = bucket.grads.reserve()
+            self._optimizer_box[1].submit(self._resolve_job(deferred, bucket, ticket, ratio))
+
+    def _resolve_job(self, deferred: DeferredCommit, bucket, ticket: int, ratio: float | None):
+        def resolve_bucket() -> None:
+            bucket.grads.begin(ticket, self._failure, f"gradients of {bucket} for a deferred commit")
+            try:
+                owned = deferred.owned.get(bucket.index)
+                if owned is None:
+                    return  # the pass left no gradient in this bucket
+                if owned and ratio is None:
+                    bucket.grad_valid = False
+                    bucket.detach_grads()
+                elif owned and ratio != 1.0:
+                    bucket.grad.mul_(ratio)
+                elif not owned and ratio is not None:
+                    bucket.grad.add_(bucket.pending, alpha=ratio)
+            finally:
+                bucket.grads.end(ticket)
+
+        return resolve_bucket
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
@@ -208,6 +284,8 @@ class RoundPipe(nn.Module):
         for done in self._inflight:
             done.get(self._failure)
         self._inflight.clear()
+        if self._optimizer_box[1] is not None:
+            self._optimizer_box[1].wait_idle()
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self._failure.check()
@@ -238,6 +316,7 @@ class RoundPipe(nn.Module):
 
     def _before_pass(self) -> None:
         self._failure.check()
+        self.drop_pending_gradients()
         if self.optimizer is None:
             for bucket in self._store.trainable_buckets:
                 if bucket.optim._version != bucket.optim_version_seen:
@@ -335,6 +414,21 @@ class RoundPipe(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
                            ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
+
+
+class _DeferredLoss(torch.autograd.Function):
+    """The loss of a deferred fused pass: its backward commits the pass's gradients scaled by the incoming
+    gradient ([Note: deferred gradient commit])."""
+
+    @staticmethod
+    def forward(ctx, engine: RoundPipe, deferred: DeferredCommit, anchor: torch.Tensor, loss: torch.Tensor):
+        ctx.engine, ctx.deferred = engine, deferred
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.engine._resolve(ctx.deferred, float(grad))
+        return None, None, None, None
 
 
 class _PipelineBackward(torch.autograd.Function):

@@ -55,6 +55,7 @@ class Bucket:
     grads: Sequencer = field(default_factory=Sequencer)
     grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
+    pending: torch.Tensor | None = None  # gradients of a deferred pass awaiting its scale ([Note: deferred ...])
 
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"

@@ -15,6 +15,27 @@ HostTuple = tuple  # tuple of host tensors (None for "no gradient")
 
 
 @dataclass(eq=False)
+class DeferredCommit:
+    """Gradients of one fused pass, committed once the loss's backward says by how much to scale them.
+
+    [Note: deferred gradient commit]
+    A stock loop calls `loss = model(**batch).loss; (loss * c).backward()`. The fused pass already ran the backward
+    with the scale `expected_scale` (c0); the loss's autograd node then resolves it with the real c:
+    - a bucket whose gradient buffer was empty when the pass first committed to it was written directly ("owned"):
+      nothing more to do when c == c0, one in-place multiply by c/c0 otherwise, invalidated if dropped;
+    - a bucket that already held gradients (accumulation) got the pass's gradients in `bucket.pending`, added
+      with the factor c/c0 at resolution, discarded if dropped.
+    A pass never resolved is dropped at the next pass, `optimizer.step()` or `zero_grad()`. Resolution runs as
+    ticketed gradient operations, so it is ordered after the pass's commits and before anything reserved later.
+    """
+
+    expected_scale: float
+    owned: dict[int, bool] = field(default_factory=dict)  # bucket -> committed straight into the empty grad buffer
+    pending_started: set[int] = field(default_factory=set)
+    resolved: bool = False
+
+
+@dataclass(eq=False)
 class PassState:
     """One forward_backward / forward / backward call: its micro-batches and what its tasks leave behind."""
 
@@ -29,6 +50,7 @@ class PassState:
     saved: dict[tuple[int, int], HostTuple] = field(default_factory=dict)  # (layer, micro-batch) -> layer input
     losses: list[Future] = field(default_factory=list)
     outputs: list[Future] = field(default_factory=list)  # what the pass's last task of each micro-batch gives
+    deferred: DeferredCommit | None = None
 
     @property
     def num_microbatches(self) -> int:

@@ -12,8 +12,6 @@ write-backs, so `engine.module` then shows the newest weights.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +20,7 @@ import torch
 
 from . import faults
 from .host_store import Bucket, HostStore
-from .sync import FailureFlag, mark_engine_thread
+from .sync import FailureFlag, SerialExecutor
 
 _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -38,46 +36,6 @@ def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
             group["foreach"] = False
 
 
-class OptimizerThread:
-    """Runs optimizer jobs in FIFO order; `wait_idle` returns when all queued jobs are done."""
-
-    def __init__(self, failure: FailureFlag) -> None:
-        self.failure = failure
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._cond = threading.Condition()
-        self._pending = 0
-        self.thread = threading.Thread(target=self._loop, name="roundpipe-optimizer", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            self._pending += 1
-        self._queue.put(job)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def wait_idle(self) -> None:
-        with self._cond:
-            self.failure.wait(self._cond, lambda: self._pending == 0, "the optimizer thread to finish")
-
-    def _loop(self) -> None:
-        mark_engine_thread()
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                if self.failure.error is None:
-                    job()
-            except BaseException as error:  # noqa: BLE001 - reported to the caller
-                self.failure.fail(error, f"the optimizer thread ({getattr(job, '__name__', 'job')})")
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
-
 class LaggedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer built over `engine.parameters()`; see [Note: one-step lag].
 
@@ -86,7 +44,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
-                 async_step: bool) -> None:
+                 async_step: bool, before_grad_use: Callable[[], None] | None = None) -> None:
         # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -102,10 +60,11 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.store = store
         self.failure = failure
         self.async_step = async_step
+        self._before_grad_use = before_grad_use  # the engine drops never-committed deferred gradients here
         self._deferred: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._check_params()
         prefer_fused(inner)
-        self.thread = OptimizerThread(failure)
+        self.thread = SerialExecutor(failure, "roundpipe-optimizer")
         # Top layers first: the order in which gradients become final during a backward.
         self._step_order = sorted(store.trainable_buckets, key=lambda b: -min(b.layers))
 
@@ -126,6 +85,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
             raise ValueError("RoundPipe's lagged optimizer takes no closure: the step runs in the background after "
                              "the pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
+        if self._before_grad_use is not None:
+            self._before_grad_use()
         self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
         snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
@@ -180,6 +141,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
+        if self._before_grad_use is not None:
+            self._before_grad_use()
         for bucket in self._step_order:
             ticket = bucket.grads.reserve()
 

@@ -18,6 +18,7 @@ unfinished piece of work can always proceed: no deadlock.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import defaultdict
@@ -202,3 +203,43 @@ class Sequencer:
     @property
     def idle(self) -> bool:
         return self._done == self._reserved
+
+
+class SerialExecutor:
+    """Runs host jobs (optimizer steps, write-backs, gradient commits) in FIFO order on one thread."""
+
+    def __init__(self, failure: FailureFlag, name: str) -> None:
+        self.failure = failure
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def wait_idle(self) -> None:
+        with self._cond:
+            self.failure.wait(self._cond, lambda: self._pending == 0, f"{self.thread.name} to finish")
+
+    def _loop(self) -> None:
+        mark_engine_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.failure.error is None:
+                    job()
+            except BaseException as error:  # noqa: BLE001 - reported to the caller
+                self.failure.fail(error, f"{self.thread.name} ({getattr(job, '__name__', 'job')})")
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()

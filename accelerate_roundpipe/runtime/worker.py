@@ -39,6 +39,20 @@ def _backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
+def _commit_deferred(deferred, bucket, grad: torch.Tensor) -> torch.Tensor | None:
+    """Route a deferred pass's gradients ([Note: deferred gradient commit]); returns what to commit directly."""
+    if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
+        return grad
+    if bucket.index in deferred.pending_started:
+        bucket.pending.add_(grad)
+    else:
+        if bucket.pending is None:
+            bucket.pending = torch.empty_like(bucket.grad)
+        bucket.pending.copy_(grad)
+        deferred.pending_started.add(bucket.index)
+    return None
+
+
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
                  base_seed: int, num_devices: int) -> None:
@@ -147,6 +161,8 @@ class Worker:
             try:
                 faults.point("commit")
                 grad = host[bucket_index]
+                if grad is not None and job.state.deferred is not None:
+                    grad = _commit_deferred(job.state.deferred, bucket, grad)
                 if grad is not None:
                     if bucket.grad_valid:
                         bucket.grad.add_(grad)

@@ -1,0 +1,105 @@
+"""[Note: deferred gradient commit]: a fused pass whose loss's backward decides the gradient scale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
+
+RTOL = 1e-10
+
+
+def make_engine(model, **config):
+    return RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=3, **config))
+
+
+def fb(engine, data):
+    x, mask, y = data
+    return engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy, deferred=True)
+
+
+def grads_of(engine):
+    engine.synchronize()
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in engine.named_parameters()}
+
+
+@pytest.mark.parametrize("expected", [1.0, 0.5])
+def test_backward_scale_is_exact_whatever_was_expected(expected):
+    model = tied_model()
+    data = batch(rows=7)
+    ref_loss, ref = reference_loss_and_grads(model, *data)
+    engine = make_engine(model)
+    engine.expected_grad_scale = expected
+    loss = fb(engine, data)
+    assert loss.requires_grad
+    assert_close(loss.detach(), ref_loss, RTOL, "loss")
+    (loss * 0.5).backward()
+    for name, grad in grads_of(engine).items():
+        assert_close(grad, 0.5 * ref[name], RTOL, name)
+    engine.close()
+
+
+def test_any_function_of_the_loss():
+    model = tied_model()
+    data = batch(rows=7)
+    ref_loss, ref = reference_loss_and_grads(model, *data)
+    engine = make_engine(model)
+    loss = fb(engine, data)
+    (loss ** 2 + 3).backward()
+    for name, grad in grads_of(engine).items():
+        assert_close(grad, 2 * ref_loss * ref[name], RTOL, name)
+    engine.close()
+
+
+def test_accumulation_uses_the_pending_buffer():
+    model = tied_model()
+    first, second = batch(rows=7, seed=1), batch(rows=5, seed=2)
+    _, g1 = reference_loss_and_grads(model, *first)
+    _, g2 = reference_loss_and_grads(model, *second)
+    engine = make_engine(model)
+    engine.expected_grad_scale = 0.5
+    (fb(engine, first) / 2).backward()
+    (fb(engine, second) * 0.25).backward()  # differs from the expected 0.5: still exact
+    for name, grad in grads_of(engine).items():
+        assert_close(grad, 0.5 * g1[name] + 0.25 * g2[name], RTOL, name)
+    engine.close()
+
+
+def test_never_committed_gradients_are_dropped():
+    model = tied_model()
+    first, second = batch(rows=7, seed=1), batch(rows=5, seed=2)
+    _, g1 = reference_loss_and_grads(model, *first)
+    _, g2 = reference_loss_and_grads(model, *second)
+    engine = make_engine(model)
+    fb(engine, first)  # never back-propagated: dropped by the next pass (the buffer was empty: owned path)
+    fb(engine, second).backward()
+    for name, grad in grads_of(engine).items():
+        assert_close(grad, g2[name], RTOL, name)
+    fb(engine, first)  # dropped again, this time from the pending buffer (grads already held)
+    fb(engine, first).backward()
+    for name, grad in grads_of(engine).items():
+        assert_close(grad, g1[name] + g2[name], RTOL, name)
+    engine.close()
+
+
+def test_step_drops_an_uncommitted_pass_and_double_backward_fails():
+    model = tied_model()
+    engine = make_engine(model)
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+    loss = fb(engine, batch(rows=6))
+    optimizer.step()  # the pass was never committed: no gradients, nothing moves
+    assert all(torch.equal(before[n], p) for n, p in engine.named_parameters())
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    loss = fb(engine, batch(rows=6))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    engine.close()
