@@ -5,8 +5,9 @@
 `torch.nn.Sequential`. transformers and peft are only imported by the model code itself, never here.
 """
 
+from .causal_lm import CausalLMRoundPipe, wrap_model
 from .errors import UnsupportedModelError
 from .registry import FamilySpec, register_family
 from .split import DecoderSplit, split_causal_lm
 
-__all__ = ["DecoderSplit", "FamilySpec", "UnsupportedModelError", "register_family", "split_causal_lm"]
+__all__ = ["CausalLMRoundPipe", "wrap_model", "DecoderSplit", "FamilySpec", "UnsupportedModelError", "register_family", "split_causal_lm"]

@@ -176,7 +176,7 @@ class RoundPipe(nn.Module):
         scale = self.expected_grad_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("expected_grad_scale must be non-zero.")
-        state = PassState(self._new_pass_index(), Mode.TRAIN, self.training, mb_rows,
+        state = PassState(self._new_pass_index(), Mode.TRAIN, self.module.training, mb_rows,
                           self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
@@ -235,11 +235,11 @@ class RoundPipe(nn.Module):
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
         self._before_pass()
         inputs = _tensor_tuple(inputs, "forward inputs")
-        rows, num_mb, mb_inputs = self._split(inputs)
+        rows, num_mb, mb_inputs = self._split(inputs, strict=False)
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
-        state = PassState(self._new_pass_index(), Mode.FORWARD, self.training, [x[0].shape[0] for x in mb_inputs],
+        state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training, [x[0].shape[0] for x in mb_inputs],
                           saved)
         self._enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
@@ -333,7 +333,9 @@ class RoundPipe(nn.Module):
             weakref.finalize(self, _stop_threads, self._workers, self._optimizer_box)
         self._inflight = [f for f in self._inflight if not f.done]
 
-    def _split(self, inputs: tuple[torch.Tensor, ...]) -> tuple[int, int, list[tuple]]:
+    def _split(self, inputs: tuple[torch.Tensor, ...], strict: bool = True) -> tuple[int, int, list[tuple]]:
+        """Split into micro-batches. `strict=False` (forward-only passes, e.g. evaluation or generation of a
+        small batch) lowers an explicit micro-batch count to the batch size instead of raising."""
         if not inputs:
             raise ValueError("RoundPipe needs at least one input tensor.")
         rows = inputs[0].shape[0] if inputs[0].dim() else 0
@@ -342,13 +344,13 @@ class RoundPipe(nn.Module):
                 raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
                                  f"{[tuple(x.shape) for x in inputs]}.")
         requested = self.config.num_microbatches
-        if requested is not None and rows < requested:
+        if requested is not None and rows < requested and strict:
             raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
                              f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} or "
                              f"use a batch of at least {requested} rows.")
         if rows < 1:
             raise ValueError("the batch is empty.")
-        num_mb = requested if requested is not None else min(2 * len(self.devices), rows)
+        num_mb = min(requested if requested is not None else 2 * len(self.devices), rows)
         return rows, num_mb, split_rows(inputs, num_mb)
 
     def _release_writebacks(self) -> None:

@@ -1,0 +1,135 @@
+"""`wrap_model`: a Hugging Face causal LM (plain or PEFT) on the RoundPipe engine, keeping the user's object.
+
+`engine.module` is the user's model itself (same object, class, `config`, `save_pretrained`); its instance `forward`
+is patched to route through the engine, so code holding the model keeps working:
+
+- train mode, grad enabled, `labels` given: the fused pipelined forward + backward, returning a loss whose
+  `backward()` commits the gradients ([Note: deferred gradient commit]); `logits` is None (never materialised);
+- eval mode or no grad: a forward-only pipeline returning `logits` (and `loss` when `labels` are given);
+- grad enabled without labels: `logits` attached to the backward pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import RoundPipeConfig
+from ..runtime.engine import RoundPipe
+from .split import DEFAULT_LOSS_CHUNK_TOKENS, DecoderSplit, split_causal_lm
+
+# Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
+_IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
+                       "cache_position", "logits_to_keep", "num_logits_to_keep")
+_IGNORED = ("use_cache", "return_dict", "token_type_ids")
+
+
+def _causal_lm_output(loss, logits):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """HF's causal-LM loss (shift, ignore -100, mean over label tokens or sum / `num_items_in_batch`)."""
+    shift_logits = logits[:, :-1, :].float().flatten(0, 1)
+    shift_labels = labels[:, 1:].to(shift_logits.device).flatten()
+    total = nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum()
+    return total / count
+
+
+class CausalLMRoundPipe(RoundPipe):
+    """RoundPipe over a Hugging Face causal LM; build it with `wrap_model(model, config)`."""
+
+    def __init__(self, model: nn.Module, config: RoundPipeConfig | None = None, *,
+                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> None:
+        split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
+        super().__init__(model, config, layers=split.layers)
+        object.__setattr__(self, "split", split)
+        self.train(model.training)
+        self._originals = {name: model.__dict__.get(name) for name in ("forward", "generate", "save_pretrained")}
+        model.forward = self._hf_forward
+        model.generate = functools.partial(self._generate, type(model).generate.__get__(model))
+        model.save_pretrained = self._save_pretrained
+
+    @property
+    def decoder_split(self) -> DecoderSplit:
+        return self.split
+
+    # ------------------------------------------------------------------ engine API with HF batches
+
+    def forward_backward(self, *args: Any, labels: torch.Tensor | None = None, loss_fn=None,
+                         loss_reduction: str | None = None, grad_scale: float = 1.0, deferred: bool = False,
+                         **batch: Any) -> torch.Tensor:
+        """The fused pass over an HF batch (`input_ids`, `attention_mask`, `labels`, ...): returns the model's own
+        loss (mean over the label tokens of the whole batch, or sum / `num_items_in_batch`)."""
+        if args or loss_fn is not None or loss_reduction is not None:
+            raise TypeError("a wrapped Hugging Face model takes the batch as keyword arguments (input_ids=..., "
+                            "labels=..., ...) and computes its own loss; loss_fn/loss_reduction do not apply.")
+        if labels is None:
+            raise ValueError("forward_backward needs `labels` in the batch (the model's loss is computed from them).")
+        inputs = self.split.prepare_inputs(labels=labels, **self._model_inputs(batch))
+        return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
+
+    def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        known = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "num_items_in_batch")
+        out = {k: batch.pop(k) for k in known if k in batch}
+        for key in _IGNORED:
+            batch.pop(key, None)
+        for key in _IGNORED_WHEN_FALSY:
+            value = batch.pop(key, None)
+            if value is not None and value is not False and not (isinstance(value, int) and value == 0):
+                raise ValueError(f"`{key}={value!r}` is not supported by the RoundPipe engine (it runs without a "
+                                 f"KV cache and returns loss/logits only); leave it unset.")
+        if batch:
+            raise TypeError(f"unexpected batch keys for the RoundPipe engine: {sorted(batch)}.")
+        return out
+
+    # ------------------------------------------------------------------ the patched model
+
+    def _hf_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
+                    num_items_in_batch=None, **kwargs):
+        batch = self._model_inputs(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                        inputs_embeds=inputs_embeds, **kwargs))
+        if labels is not None and self.module.training and torch.is_grad_enabled():
+            loss = self.forward_backward(labels=labels, num_items_in_batch=num_items_in_batch, deferred=True, **batch)
+            return _causal_lm_output(loss, None)
+        logits = self(*self.split.prepare_inputs(**batch))
+        loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        return _causal_lm_output(loss, logits)
+
+    def _generate(self, original_generate, *args, **kwargs):
+        # The pipeline keeps no KV cache: every new token reruns the whole sequence (see docs: generation).
+        kwargs["use_cache"] = False
+        return original_generate(*args, **kwargs)
+
+    def _save_pretrained(self, *args, **kwargs):
+        self.synchronize()
+        return type(self.module).save_pretrained(self.module, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the engine and give the model back its own forward, generate and save_pretrained."""
+        try:
+            super().close()
+        finally:
+            for name, original in self._originals.items():
+                if original is None:
+                    self.module.__dict__.pop(name, None)
+                else:
+                    self.module.__dict__[name] = original
+
+
+def wrap_model(model: nn.Module, config: RoundPipeConfig | None = None, **kwargs: Any) -> CausalLMRoundPipe:
+    """Put a Hugging Face causal LM (or a `peft.PeftModel` around one) on RoundPipe.
+
+    Returns the engine; `engine.module` is `model` itself, whose `forward` now routes through the engine. The model
+    is never moved to a GPU: its weights become views of the engine's host store. Raises `UnsupportedModelError`
+    for models it cannot split (use `RoundPipe(torch.nn.Sequential(...))` for those).
+    """
+    if isinstance(model, RoundPipe):
+        return model
+    return CausalLMRoundPipe(model, config, **kwargs)
