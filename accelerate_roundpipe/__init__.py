@@ -9,4 +9,12 @@ from .runtime import EngineClosedError, LaggedOptimizer, RoundPipe
 
 __version__ = "0.1.0"
 
-__all__ = ["RoundPipe", "RoundPipeConfig", "wrap_model", "UnsupportedModelError", "LaggedOptimizer", "EngineClosedError", "__version__"]
+__all__ = [
+    "RoundPipe",
+    "RoundPipeConfig",
+    "wrap_model",
+    "UnsupportedModelError",
+    "LaggedOptimizer",
+    "EngineClosedError",
+    "__version__",
+]

@@ -10,4 +10,12 @@ from .errors import UnsupportedModelError
 from .registry import FamilySpec, register_family
 from .split import DecoderSplit, split_causal_lm
 
-__all__ = ["CausalLMRoundPipe", "wrap_model", "DecoderSplit", "FamilySpec", "UnsupportedModelError", "register_family", "split_causal_lm"]
+__all__ = [
+    "CausalLMRoundPipe",
+    "wrap_model",
+    "DecoderSplit",
+    "FamilySpec",
+    "UnsupportedModelError",
+    "register_family",
+    "split_causal_lm",
+]

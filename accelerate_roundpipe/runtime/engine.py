@@ -239,8 +239,8 @@ class RoundPipe(nn.Module):
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
-        state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training, [x[0].shape[0] for x in mb_inputs],
-                          saved)
+        state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training,
+                          [x[0].shape[0] for x in mb_inputs], saved)
         self._enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
             self._release_writebacks()
