@@ -34,13 +34,41 @@ def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_in
     return value
 
 
+class Payload:
+    """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
+    worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
+
+    __slots__ = ("tensors", "event", "worker_index")
+
+    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None) -> None:
+        self.tensors = tensors
+        self.event = event
+        self.worker_index = worker_index
+
+    def host(self) -> tuple:
+        """The tensors, once readable by the CPU."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.tensors
+
+
 class Device:
+    """[Note: transfer engine]
+    A CUDA worker has one compute stream and four copy streams: activation upload, activation download, parameter
+    upload, gradient download (PCIe is full duplex, and parameters and gradients then never queue behind the
+    activations on the critical path). Nothing blocks the worker thread on the GPU: every copy records an event,
+    consumers wait on it on their own stream (or, on the CPU, when they read), and tensors used across streams are
+    handed to the caching allocator with `record_stream` so their memory is not reused too early. A task's next
+    task on the same worker takes its activations straight from the device (no host round trip).
+    """
+
     def __init__(self, device: torch.device, index: int) -> None:
         self.device = device
         self.index = index
         self.is_cuda = device.type == "cuda"
-        self.stream = None
         self._rng_lock = _rng_lock(device)
+        self.compute_stream = self.act_in = self.act_out = self.param_in = self.grad_out = None
 
     def __str__(self) -> str:
         return f"d{self.index}({self.device})"
@@ -49,32 +77,91 @@ class Device:
         """Called on the worker's own thread before it runs anything."""
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-            self.stream = torch.cuda.Stream(self.device)
+            self.compute_stream, self.act_in, self.act_out, self.param_in, self.grad_out = (
+                torch.cuda.Stream(self.device) for _ in range(5))
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         if self.is_cuda:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.compute_stream):
                 yield
         else:
             yield
 
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        faults.point("transfer.upload")
-        if self.is_cuda:
-            return host.to(self.device, non_blocking=True)
-        return host.clone()
+    # -------------------------------------------------------------- host -> device
 
-    def download(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _upload(self, tensors, stream, after_event=None) -> tuple[list, object]:
+        if not self.is_cuda:
+            return [None if t is None else t.clone() for t in tensors], None
+        with torch.cuda.stream(stream):
+            if after_event is not None:
+                stream.wait_event(after_event)
+            out = [None if t is None else t.to(self.device, non_blocking=True) for t in tensors]
+            return out, stream.record_event()
+
+    def _use(self, tensors, event) -> None:
+        """Make the compute stream wait for an upload and own its tensors."""
+        if event is None:
+            return
+        self.compute_stream.wait_event(event)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(self.compute_stream)
+
+    def upload_params(self, flats: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+        """Start copying host compute copies to the device; returns the device tensors and the copy's event
+        (None on the CPU: the copy is already done). Call `use_params` before computing with them."""
+        faults.point("transfer.upload")
+        return self._upload(flats, self.param_in)
+
+    def use_params(self, flats: list[torch.Tensor], event) -> None:
+        self._use(flats, event)
+
+    def receive(self, payload: Payload) -> tuple:
+        """The payload's tensors on this device, ready for the compute stream."""
+        if payload.worker_index == self.index:
+            return payload.tensors
+        faults.point("transfer.upload")
+        if not self.is_cuda:
+            out, _ = self._upload(payload.host(), None)
+            return tuple(out)
+        event, payload.event = payload.event, None
+        out, ready = self._upload(payload.tensors, self.act_in, after_event=event)
+        self._use(out, ready)
+        return tuple(out)
+
+    # -------------------------------------------------------------- device -> host
+
+    def _download(self, tensors, stream) -> tuple[tuple, object]:
+        if not self.is_cuda:
+            return tuple(None if t is None else t.detach().clone() for t in tensors), None
+        stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(stream):
+            out = []
+            for t in tensors:
+                if t is None:
+                    out.append(None)
+                    continue
+                out.append(t.detach().to("cpu", non_blocking=True))
+                t.record_stream(stream)
+            return tuple(out), stream.record_event()
+
+    def send(self, tensors: tuple, keep_on_device: bool) -> Payload:
+        """Hand tensors to the next task: kept on this device for the same worker, else copied to the host."""
+        if keep_on_device:
+            return Payload(tuple(None if t is None else t.detach() for t in tensors), None, self.index)
         faults.point("transfer.download")
-        if self.is_cuda:
-            return tensor.detach().to("cpu", non_blocking=True)
-        return tensor.detach().clone()
+        host, event = self._download(tensors, self.act_out)
+        return Payload(host, event)
+
+    def download_grads(self, grads: list[torch.Tensor]) -> Payload:
+        faults.point("transfer.download")
+        host, event = self._download(grads, self.grad_out)
+        return Payload(host, event)
 
     def synchronize(self) -> None:
-        """Wait for every copy and kernel issued so far (results downloaded may be read after this)."""
         if self.is_cuda:
-            self.stream.synchronize()
+            torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def rng(self, seed: int) -> Iterator[None]:

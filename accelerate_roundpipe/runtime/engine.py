@@ -17,7 +17,7 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task, build_schedule
-from .device import Device
+from .device import Device, Payload
 from .host_store import HostStore
 from .jobs import DeferredCommit, PassState, TaskJob, split_rows
 from .optimizer import LaggedOptimizer
@@ -41,7 +41,7 @@ def _stop_threads(workers: list[Worker] | None, optimizer_box: list, join_timeou
     threads = []
     for worker in workers or []:
         worker.stop()
-        threads.append(worker.thread)
+        threads.extend(worker.threads)
     for owner in optimizer_box:
         if owner is None:
             continue
@@ -183,7 +183,7 @@ class RoundPipe(nn.Module):
                           deferred=DeferredCommit(scale) if deferred else None)
         self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         self._release_writebacks()
-        losses = [f.get(self._failure) for f in state.losses]
+        losses = [f.get(self._failure).host()[0] for f in state.losses]
         total = losses[0] * shares[0]
         for loss, share in zip(losses[1:], shares[1:]):
             total = total + loss * share
@@ -244,7 +244,7 @@ class RoundPipe(nn.Module):
         self._enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
             self._release_writebacks()
-        pieces = [f.take(self._failure) for f in state.outputs]
+        pieces = [f.take(self._failure).host() for f in state.outputs]
         outputs = []
         for k in range(len(pieces[0])):
             if pieces[0][k].dim() == 0:
@@ -370,13 +370,15 @@ class RoundPipe(nn.Module):
             if inputs is None:
                 inputs = [Future() for _ in mbs]
                 for future, mb in zip(inputs, mbs):
-                    future.set(first_inputs[mb])
+                    future.set(Payload(first_inputs[mb]))
             outputs = [Future(f"output of {task} micro-batch {mb}") for mb in mbs]
             buckets = store.buckets_of_layers(task.span.layers)
             reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
             grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
                      if task.needs_grad and store.buckets[b].trainable]
-            job = TaskJob(task, state, inputs, outputs, reads, grads, index)
+            following = tasks[index + 1] if index + 1 < len(tasks) else None
+            next_worker = following.device_index if following and following.round_index == task.round_index else None
+            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker)
             previous[task.round_index] = outputs
             jobs.append(job)
             self._inflight.append(job.done)

@@ -66,6 +66,7 @@ class TaskJob:
     read_tickets: list[tuple[int, int]]  # (bucket, epoch) for every bucket the task uploads
     grad_tickets: list[tuple[int, int]]  # (bucket, ticket) for every trainable bucket it commits gradients to
     schedule_index: int
+    next_worker: int | None = None  # the worker of the next task of the round (None: the caller reads the result)
     done: Future = field(default_factory=lambda: Future("a task to finish"))
 
 
