@@ -87,6 +87,9 @@ class RoundPipeConfig:
             device is used.
         wait_timeout_s (`float`, env `ROUNDPIPE_WAIT_TIMEOUT_S`): a thread waiting longer than this on another
             raises instead of hanging. Default: 600.
+        trace_path (`str`, env `ROUNDPIPE_TRACE_PATH` or `ROUNDPIPE_TRACE`): write a Chrome/Perfetto timeline of
+            every worker, commit thread, the optimizer and the caller here (at `close()` or `save_trace()`).
+            Default: no recording.
     """
 
     devices: list[str] | None = field(default=None, metadata={
@@ -113,13 +116,18 @@ class RoundPipeConfig:
         "help": "Page-lock the host store. Default: true when a CUDA device is used."})
     wait_timeout_s: float | None = field(default=None, metadata={
         "help": "Seconds a thread may wait on another before raising instead of hanging. Default: 600."})
+    trace_path: str | None = field(default=None, metadata={
+        "help": "Write a Chrome/Perfetto timeline trace here (env ROUNDPIPE_TRACE also works). Default: off.",
+        "env_aliases": ("ROUNDPIPE_TRACE",)})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
-                raw = os.environ.get(ENV_PREFIX + f.name.upper())
-                if raw is not None and raw.strip() != "":
-                    setattr(self, f.name, raw)
+                for name in (ENV_PREFIX + f.name.upper(), *f.metadata.get("env_aliases", ())):
+                    raw = os.environ.get(name)
+                    if raw is not None and raw.strip() != "":
+                        setattr(self, f.name, raw)
+                        break
         self._normalise()
 
     def _normalise(self) -> None:

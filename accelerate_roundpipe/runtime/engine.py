@@ -17,6 +17,7 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task, build_schedule
+from ..telemetry.trace import TraceRecorder, maybe_span
 from .device import Device, Payload
 from .host_store import HostStore
 from .jobs import DeferredCommit, PassState, TaskJob, split_rows
@@ -113,6 +114,7 @@ class RoundPipe(nn.Module):
         self._num_passes = 0
         self._inflight: list[Future] = []
         self._schedules: dict[int, list[Task]] = {}
+        self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
 
     # ------------------------------------------------------------------ parameters
 
@@ -144,7 +146,8 @@ class RoundPipe(nn.Module):
             self.optimizer.close()
         self._optimizer_box[0] = LaggedOptimizer(optimizer, self._store, self._failure,
                                                  self.config.resolved_async_optimizer,
-                                                 before_grad_use=_weak_call(self.drop_pending_gradients))
+                                                 before_grad_use=_weak_call(self.drop_pending_gradients),
+                                                 trace=self.trace)
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
@@ -183,7 +186,8 @@ class RoundPipe(nn.Module):
                           deferred=DeferredCommit(scale) if deferred else None)
         self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         self._release_writebacks()
-        losses = [f.get(self._failure).host()[0] for f in state.losses]
+        with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
+            losses = [f.get(self._failure).host()[0] for f in state.losses]
         total = losses[0] * shares[0]
         for loss, share in zip(losses[1:], shares[1:]):
             total = total + loss * share
@@ -291,7 +295,8 @@ class RoundPipe(nn.Module):
         self._failure.check()
 
     def close(self) -> None:
-        """Stop the worker and optimizer threads. The engine cannot be used afterwards."""
+        """Stop the worker and optimizer threads (and write the trace, if recording). The engine cannot be used
+        afterwards."""
         if not self._failure.closed:
             try:
                 if self._failure.error is None:
@@ -299,6 +304,15 @@ class RoundPipe(nn.Module):
             finally:
                 self._failure.close()
                 _stop_threads(self._workers, self._optimizer_box)
+                if self.trace is not None:
+                    self.trace.save()
+
+    def save_trace(self, path: str | None = None) -> str:
+        """Write the timeline recorded so far (Chrome/Perfetto JSON); needs `trace_path` (env ROUNDPIPE_TRACE)."""
+        if self.trace is None:
+            raise RuntimeError("no trace is being recorded: set RoundPipeConfig(trace_path=...) or ROUNDPIPE_TRACE.")
+        self.synchronize()
+        return self.trace.save(path)
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
@@ -326,7 +340,7 @@ class RoundPipe(nn.Module):
                         "optimizer also writes the compute copies the devices use.")
         if self._workers is None:
             self._workers = [Worker(d, self._store, self._failure, self.config.resolved_recompute, self._seed,
-                                    len(self.devices)) for d in self.devices]
+                                    len(self.devices), self.trace) for d in self.devices]
             for worker in self._workers:
                 worker.schedules = self._schedules
                 worker.start()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..telemetry.trace import maybe_span
 from . import faults
 from .host_store import Bucket, HostStore
 from .sync import FailureFlag, SerialExecutor
@@ -44,7 +45,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
-                 async_step: bool, before_grad_use: Callable[[], None] | None = None) -> None:
+                 async_step: bool, before_grad_use: Callable[[], None] | None = None, trace=None) -> None:
         # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -61,6 +62,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.failure = failure
         self.async_step = async_step
         self._before_grad_use = before_grad_use  # the engine drops never-committed deferred gradients here
+        self.trace = trace
         self._deferred: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._check_params()
         prefer_fused(inner)
@@ -111,7 +113,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
                     original = self.inner.param_groups
                     self.inner.param_groups = groups
                     try:
-                        self.inner.step()
+                        with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
+                            self.inner.step()
                     finally:
                         self.inner.param_groups = original
                 bucket.optim_version_seen = bucket.optim._version
@@ -127,7 +130,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
             bucket.reads.begin_write(ticket, self.failure, f"readers of {bucket} before its write-back")
             try:
                 faults.point("optimizer.writeback")
-                bucket.compute.copy_(bucket.optim)
+                with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
+                    bucket.compute.copy_(bucket.optim)
             finally:
                 bucket.reads.end_write(ticket)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..plan.schedule import Task, TaskKind, format_schedule
+from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
 from .device import Device, Payload, stream_seed
 from .host_store import HostStore
@@ -80,8 +81,9 @@ class _ParamUpload:
 
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
-                 base_seed: int, num_devices: int) -> None:
+                 base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
         self.device = device
+        self.trace = trace
         self.num_devices = num_devices
         self.store = store
         self.failure = failure
@@ -228,37 +230,47 @@ class Worker:
 
     def _commit_on_host(self, job: TaskJob, payload: Payload, grads: list) -> None:
         try:
-            payload.host()
-            for (bucket_index, ticket), grad in zip(job.grad_tickets, grads):
-                bucket = self.store.buckets[bucket_index]
-                bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
-                try:
-                    faults.point("commit")
-                    if grad is not None and job.state.deferred is not None:
-                        grad = _commit_deferred(job.state.deferred, bucket, grad)
-                    if grad is not None:
-                        if bucket.grad_valid:
-                            bucket.grad.add_(grad)
-                        else:
-                            bucket.grad.copy_(grad)
-                            bucket.grad_valid = True
-                            bucket.attach_grads()
-                finally:
-                    bucket.grads.end(ticket)
+            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
+                payload.host()
+            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
+                self._add_grads(job, grads)
         finally:
             job.done.set(True)
+
+    def _add_grads(self, job: TaskJob, grads: list) -> None:
+        for (bucket_index, ticket), grad in zip(job.grad_tickets, grads):
+            bucket = self.store.buckets[bucket_index]
+            bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
+            try:
+                faults.point("commit")
+                if grad is not None and job.state.deferred is not None:
+                    grad = _commit_deferred(job.state.deferred, bucket, grad)
+                if grad is not None:
+                    if bucket.grad_valid:
+                        bucket.grad.add_(grad)
+                    else:
+                        bucket.grad.copy_(grad)
+                        bucket.grad_valid = True
+                        bucket.attach_grads()
+            finally:
+                bucket.grads.end(ticket)
 
     # ----------------------------------------------------------------- task kinds
 
     def _run(self, job: TaskJob) -> bool:
         """Run one task; True when its commit thread will set `job.done`."""
         faults.point("worker.task")
-        with self.device.compute():
-            if job.task.kind is TaskKind.FORWARD:
-                return self._forward(job)
-            if job.task.kind is TaskKind.FUSED:
-                return self._fused(job)
-            return self._backward_task(job)
+        run = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused}.get(job.task.kind, self._backward_task)
+        with self.device.compute(), maybe_span(self.trace, f"{self.device} host", str(job.task)):
+            if self.trace is None or not self.device.is_cuda:
+                return run(job)
+            start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
+            start.record(self.device.compute_stream)
+            try:
+                return run(job)
+            finally:
+                end.record(self.device.compute_stream)
+                self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
 
     def _forward(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
