@@ -1,0 +1,201 @@
+"""Classic weight-bound pipeline schedules as data, and one simulator for them and for RoundPipe.
+
+A classic schedule binds each stage to one device for both its forward and its backward (GPipe, 1F1B, interleaved
+1F1B and looped BFS, the last two with several "virtual" stages per device). Each device runs a list of operations
+`(kind, stage, micro-batch)` in order; an operation starts when its device is free and its input is ready:
+F(s, m) after F(s-1, m); B(s, m) after B(s+1, m), and B(last, m) after F(last, m).
+
+`compare_bubbles` puts them beside RoundPipe (sync: one iteration with its warm-up and cool-down; async: the steady
+state of iterations that flow into each other, the optimizer step running beside the next iteration).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .partition import DEFAULT_BACKWARD_TO_FORWARD_COST, Span, plan_partition
+from .schedule import TaskKind, build_schedule
+from .simulate import simulate
+
+Op = tuple[str, int, int]  # ("F" | "B", stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class ClassicSchedule:
+    name: str
+    stages: tuple[Span, ...]  # layer spans, stage s on device s % num_devices
+    device_ops: tuple[tuple[Op, ...], ...]
+
+
+def balanced_spans(costs: Sequence[float], num_stages: int) -> tuple[Span, ...]:
+    """Contiguous spans minimising the most expensive stage (binary search on the budget, greedy packing)."""
+    if num_stages > len(costs):
+        raise ValueError(f"{num_stages} stages for {len(costs)} layers: use fewer devices or virtual stages.")
+
+    def pack(budget: float) -> list[int] | None:
+        counts, total = [], 0.0
+        for i, cost in enumerate(costs):
+            if counts and total + cost <= budget and len(costs) - i > num_stages - len(counts):
+                counts[-1] += 1
+                total += cost
+            else:
+                counts.append(1)
+                total = cost
+        return counts if len(counts) <= num_stages and max(costs) <= budget else None
+
+    lo, hi = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if pack(mid) else (mid, hi)
+    counts = pack(hi)
+    while len(counts) < num_stages:  # split the largest stage so every device gets work
+        i = max(range(len(counts)), key=lambda k: counts[k])
+        counts[i:i + 1] = [counts[i] // 2, counts[i] - counts[i] // 2]
+    spans, start = [], 0
+    for count in counts:
+        spans.append(Span(start, start + count))
+        start += count
+    return tuple(spans)
+
+
+def gpipe(num_devices: int, num_microbatches: int, costs: Sequence[float]) -> ClassicSchedule:
+    stages = balanced_spans(costs, num_devices)
+    ops = tuple(tuple([("F", d, m) for m in range(num_microbatches)] + [("B", d, m) for m in range(num_microbatches)])
+                for d in range(num_devices))
+    return ClassicSchedule("gpipe", stages, ops)
+
+
+def one_f_one_b(num_devices: int, num_microbatches: int, costs: Sequence[float]) -> ClassicSchedule:
+    stages = balanced_spans(costs, num_devices)
+    ops = []
+    for d in range(num_devices):
+        warmup = min(num_devices - d - 1, num_microbatches)
+        seq: list[Op] = [("F", d, m) for m in range(warmup)]
+        f, b = warmup, 0
+        while b < num_microbatches:
+            if f < num_microbatches:
+                seq.append(("F", d, f))
+                f += 1
+            seq.append(("B", d, b))
+            b += 1
+        ops.append(tuple(seq))
+    return ClassicSchedule("1f1b", stages, tuple(ops))
+
+
+def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, costs: Sequence[float],
+                            chunks: int = 2) -> ClassicSchedule:
+    """Megatron's interleaved 1F1B: `chunks` virtual stages per device, micro-batches in groups of N."""
+    if num_microbatches % num_devices:
+        raise ValueError("interleaved 1F1B needs the micro-batch count to be a multiple of the device count.")
+    stages = balanced_spans(costs, num_devices * chunks)
+    total = num_microbatches * chunks
+
+    def virtual(k: int, forward: bool) -> tuple[int, int]:
+        group, within = divmod(k, num_devices * chunks)
+        chunk = within // num_devices
+        chunk = chunk if forward else chunks - 1 - chunk
+        return chunk, group * num_devices + within % num_devices
+
+    ops = []
+    for d in range(num_devices):
+        warmup = min(total, (chunks - 1) * num_devices + 2 * (num_devices - d - 1))
+        seq: list[Op] = []
+        f = b = 0
+        for _ in range(warmup):
+            chunk, m = virtual(f, True)
+            seq.append(("F", chunk * num_devices + d, m))
+            f += 1
+        while b < total:
+            if f < total:
+                chunk, m = virtual(f, True)
+                seq.append(("F", chunk * num_devices + d, m))
+                f += 1
+            chunk, m = virtual(b, False)
+            seq.append(("B", chunk * num_devices + d, m))
+            b += 1
+        ops.append(tuple(seq))
+    return ClassicSchedule("interleaved_1f1b", stages, tuple(ops))
+
+
+def looped_bfs(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2) -> ClassicSchedule:
+    """Breadth-first looping: every micro-batch through a device's first chunk, then its next chunk, ...; the
+    backward in reverse."""
+    stages = balanced_spans(costs, num_devices * chunks)
+    ops = []
+    for d in range(num_devices):
+        own = [c * num_devices + d for c in range(chunks)]
+        seq = [("F", s, m) for s in own for m in range(num_microbatches)]
+        seq += [("B", s, m) for s in reversed(own) for m in range(num_microbatches)]
+        ops.append(tuple(seq))
+    return ClassicSchedule("looped_bfs", stages, tuple(ops))
+
+
+def simulate_classic(schedule: ClassicSchedule, costs: Sequence[float],
+                     backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST) -> float:
+    """Bubble ratio of one iteration (list scheduling; raises if the schedule cannot make progress)."""
+    stage_cost = [sum(costs[s.start:s.stop]) for s in schedule.stages]
+    last = len(schedule.stages) - 1
+    done: dict[Op, float] = {}
+    position = [0] * len(schedule.device_ops)
+    free = [0.0] * len(schedule.device_ops)
+    busy = [0.0] * len(schedule.device_ops)
+    remaining = sum(len(ops) for ops in schedule.device_ops)
+    while remaining:
+        progressed = False
+        for d, ops in enumerate(schedule.device_ops):
+            while position[d] < len(ops):
+                kind, stage, mb = ops[position[d]]
+                needs = ("F", stage - 1, mb) if kind == "F" else (("B", stage + 1, mb) if stage < last
+                                                                   else ("F", stage, mb))
+                if kind == "F" and stage == 0:
+                    ready = 0.0
+                elif needs in done:
+                    ready = done[needs]
+                else:
+                    break
+                duration = stage_cost[stage] * (1.0 if kind == "F" else backward_ratio)
+                start = max(free[d], ready)
+                done[(kind, stage, mb)] = free[d] = start + duration
+                busy[d] += duration
+                position[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule.name} is not progressing (deadlock) at positions {position}")
+    makespan = max(free)
+    return 1.0 - sum(busy) / (makespan * len(busy))
+
+
+def roundpipe_bubble(num_devices: int, num_microbatches: int, costs: Sequence[float], asynchronous: bool,
+                     backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST, iterations: int = 8) -> float:
+    """Sync: one iteration (warm-up and cool-down each time). Async: `iterations` iterations back to back, the
+    pipeline never drained (the lagged step needs no barrier), measured over the whole run."""
+    partition = plan_partition(len(costs), forward_costs=costs,
+                               backward_costs=[backward_ratio * c for c in costs])
+    runs = iterations if asynchronous else 1
+    tasks = []
+    start = 0
+    for it in range(runs):
+        one = build_schedule(partition, num_microbatches, num_microbatches, num_devices, start_device=start)
+        start = (one[-1].device_index + 1) % num_devices
+        tasks += [t._replace(round_index=it) for t in one]  # one round per iteration: a chain of its own
+
+    def cost(task, mb):
+        span = sum(costs[task.span.start:task.span.stop])
+        return span if task.kind is TaskKind.FORWARD else span * backward_ratio
+
+    return simulate(tasks, num_devices, cost).bubble_ratio
+
+
+def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2) -> dict:
+    """Bubble ratios, in [0, 1], of every schedule for one cost profile."""
+    return {
+        "gpipe": simulate_classic(gpipe(num_devices, num_microbatches, costs), costs),
+        "1f1b": simulate_classic(one_f_one_b(num_devices, num_microbatches, costs), costs),
+        "interleaved_1f1b": simulate_classic(interleaved_one_f_one_b(num_devices, num_microbatches, costs, chunks),
+                                             costs),
+        "looped_bfs": simulate_classic(looped_bfs(num_devices, num_microbatches, costs, chunks), costs),
+        "roundpipe_sync": roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=False),
+        "roundpipe_async": roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=True),
+    }

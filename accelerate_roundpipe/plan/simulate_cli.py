@@ -1,0 +1,63 @@
+"""`accelerate-roundpipe simulate`: bubble ratios of RoundPipe and the classic schedules for a model's costs.
+
+    accelerate-roundpipe simulate --model qwen3-1.7b --devices 8 --microbatches 16 [--json]
+    python -m accelerate_roundpipe.plan.simulate_cli --profile costs.json --devices 4 --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from .classic import compare_bubbles
+from .costs import MODEL_SHAPES, decoder_layer_costs
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="accelerate-roundpipe simulate", description=__doc__,
+                                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", choices=sorted(MODEL_SHAPES), help="a known architecture (FLOP cost model)")
+    source.add_argument("--profile", help="JSON file with per-layer forward costs: a list, or {'forward': [...]}")
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length for the attention cost (--model)")
+    parser.add_argument("--head-layers", type=float, default=None,
+                        help="LM head cost in decoder layers instead of its FLOPs (1 = the paper's profile)")
+    parser.add_argument("--chunks", type=int, default=2, help="virtual stages per device (interleaved, looped)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON of bubble ratios")
+    return parser
+
+
+def layer_costs(args: argparse.Namespace) -> list[float]:
+    if args.profile:
+        with open(args.profile) as f:
+            data = json.load(f)
+        costs = [float(c) for c in (data["forward"] if isinstance(data, dict) else data)]
+    else:
+        costs = decoder_layer_costs(MODEL_SHAPES[args.model], args.seq)
+    unit = costs[1] if len(costs) > 2 else max(costs)
+    costs = [c / unit for c in costs]  # in decoder-layer units, for readable output
+    if args.head_layers is not None:
+        costs[-1] = args.head_layers
+    return costs
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    result = compare_bubbles(args.devices, args.microbatches, layer_costs(args), chunks=args.chunks)
+    if args.json:
+        print(json.dumps({k: round(v, 4) for k, v in result.items()}))
+    else:
+        print(f"bubble ratio, {args.devices} devices, {args.microbatches} micro-batches:")
+        for name, value in result.items():
+            print(f"  {name:18s} {value:6.1%}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
