@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 -m ruff check accelerate_roundpipe tests integration_tests examples benchmarks
-python3 -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 python3 -m mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 python3 -m pytest -q -ra "$@"

@@ -60,3 +60,11 @@ def test_every_field_has_help_and_a_documented_env_variable():
     for f in dataclasses.fields(RoundPipeConfig):
         assert f.metadata.get("help"), f.name
         assert f"{f.name} (" in doc and f"ROUNDPIPE_{f.name.upper()}" in doc, f.name
+
+
+def test_configuration_page_lists_every_field():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    for f in dataclasses.fields(RoundPipeConfig):
+        assert f"| `{f.name}` | `ROUNDPIPE_{f.name.upper()}`" in page, f.name
