@@ -176,3 +176,15 @@ def test_closed_engine_says_so():
     engine.close()
     with pytest.raises(EngineClosedError, match="closed"):
         fb(engine)
+
+
+def test_gpu_out_of_memory_names_the_knobs():
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2))
+
+    def hook(point):
+        if point == "worker.task":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with faults.injected(hook), pytest.raises(torch.cuda.OutOfMemoryError, match="ROUNDPIPE_NUM_MICROBATCHES") as info:
+        fb(engine)
+    assert "recompute='layer'" in str(info.value) and "Tried to allocate" in str(info.value)

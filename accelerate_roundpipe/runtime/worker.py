@@ -70,6 +70,17 @@ def _commit_deferred(deferred, bucket, grad: torch.Tensor) -> torch.Tensor | Non
     return None
 
 
+def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
+    rows = max(job.state.microbatch_rows) if job.state.microbatch_rows else 0
+    explained = torch.cuda.OutOfMemoryError(
+        f"{error}\n[RoundPipe] task {job.task} ran out of GPU memory with micro-batches of up to {rows} rows. "
+        f"Knobs, cheapest first: raise num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) for smaller micro-batches; "
+        f"set recompute='layer' (env ROUNDPIPE_RECOMPUTE) to recompute one layer at a time; give the backward "
+        f"fewer layers per stage with backward_stages (env ROUNDPIPE_BACKWARD_STAGES); shorten the sequences.")
+    explained.__cause__ = error
+    return explained
+
+
 class _ParamUpload:
     """Parameters of one task in flight to the device, and the read tickets held until the copy completes."""
 
@@ -136,6 +147,8 @@ class Worker:
                 if self.failure.error is None:
                     committing = self._run(job)
             except BaseException as error:  # noqa: BLE001 - reported to the caller
+                if isinstance(error, torch.cuda.OutOfMemoryError):
+                    error = _explain_oom(error, job)
                 where = f"worker {self.device} running task {job.task} of pass {job.state.index}"
                 if self.failure.error is None:
                     logger.error("[%s] %s failed:\n%s", self.device, job.task,
