@@ -17,12 +17,14 @@ def build_batch(
     num_items_in_batch: int | torch.Tensor | None,
     router_experts: int | None,
     router_probs_dtype: torch.dtype,
+    router_statistics: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The whole batch as a tuple of tensors with rows on dim 0, ready to be split into micro-batches.
 
     Everything that depends on the whole batch is computed here, before the split, and stored once per row:
     `num_items_in_batch` (HF's, else the labels != -100 after the shift) and, for router aux losses, the batch's
-    non-padding token count. `router_experts` is the expert count when router statistics must be carried.
+    non-padding token count. `router_experts` is the expert count when router statistics must be carried: always
+    with labels, and without labels when `router_statistics` is true (the head then returns them with the logits).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to `prepare_inputs`.")
@@ -46,7 +48,7 @@ def build_batch(
     position_ids = position_ids.expand(num_rows, seq_len).contiguous()
 
     batch = (tokens, attention_mask, position_ids)
-    if labels is None:
+    if labels is None and not (router_statistics and router_experts is not None):
         return batch
 
     if router_experts is not None:
@@ -56,6 +58,8 @@ def build_batch(
             torch.zeros(num_rows, router_experts, dtype=router_probs_dtype, device=device),
             batch_tokens.to(device=device, dtype=torch.int64).expand(num_rows).contiguous(),
         )
+    if labels is None:
+        return batch
     return batch + (labels, _num_items_per_row(labels, num_items_in_batch, num_rows))
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
+from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, DecoderSplit, split_causal_lm
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
@@ -98,8 +99,14 @@ class CausalLMRoundPipe(RoundPipe):
         if labels is not None and self.module.training and torch.is_grad_enabled():
             loss = self.forward_backward(labels=labels, num_items_in_batch=num_items_in_batch, deferred=True, **batch)
             return _causal_lm_output(loss, None)
-        logits = self(*self.split.prepare_inputs(**batch))
+        # HF adds the router aux loss of MoE models to the loss (in eval too): carry the router statistics then.
+        router_aux = labels is not None and self.split.router_experts is not None
+        output = self(*self.split.prepare_inputs(**batch, router_statistics=router_aux))
+        logits = output[0] if router_aux else output
         loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        if router_aux:
+            aux = batch_router_aux_loss(output[1], output[2])
+            loss = loss + self.split.layers[-1].router_aux_loss_coef * aux.to(loss.device, loss.dtype)
         return _causal_lm_output(loss, logits)
 
     def _generate(self, original_generate, *args, **kwargs):

@@ -1,14 +1,23 @@
 """The last pipeline layer: final norm + lm_head, then the micro-batch loss (or the logits when there are no labels).
 
 The logits come from the causal LM's own forward run on a shell (see [Note: shells] in `shell.py`) whose inner model
-is only the final norm, so whatever the family does after its lm_head (Gemma's final logit soft-capping, logit
-scales) is applied as HF applies it.
+is `FinalNorm`, so whatever the family does after its lm_head (Gemma's final logit soft-capping, logit scales) is
+applied as HF applies it. The final norm itself (held by `FinalNorm`) is applied once to the whole micro-batch
+before the loss chunks, as HF applies it to the whole batch: norms that reduce in float32 (Gemma) then sum their
+weight gradient over the same tokens at once, and the norm is not recomputed per chunk.
 
 The loss follows HF's `ForCausalLMLoss`: labels are given unshifted and shifted inside (the last position predicts
 nothing), -100 is ignored, and the sum is divided by `num_items_in_batch`, the label count of the *whole* batch, so
 the engine's sum over micro-batches is the batch loss. The cross-entropy runs over chunks of the sequence, each
 under `torch.utils.checkpoint`, so the fp32 logits of only one chunk exist at a time, in forward and in backward.
 Logits are upcast to at least fp32 (fp64 models keep fp64, where HF would drop to fp32).
+
+[Note: loss chunk size]
+A chunk holds at most `loss_chunk_tokens` tokens and at most 1/`MIN_LOSS_CHUNKS` of the micro-batch's tokens. Its
+backward holds about three chunk-sized fp32 tensors at once (the saved log-probabilities, their gradient and the
+logits' gradient), so the head's peak is about 3/`MIN_LOSS_CHUNKS` of one full fp32 logits tensor of the micro-batch
+(plus the lm_head's weight gradient), whatever the micro-batch size; `loss_chunk_tokens` caps it in absolute terms
+for large micro-batches (measured in tests/models/test_head_memory.py).
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from .router_aux import router_aux_loss
 
 IGNORE_INDEX = -100
+# Fewest chunks a micro-batch's loss is split into (see [Note: loss chunk size]).
+MIN_LOSS_CHUNKS = 8
 
 
 class _HiddenOnlyOutput:
@@ -38,14 +49,18 @@ class _HiddenOnlyOutput:
 
 
 class FinalNorm(nn.Module):
-    """Stands in for the inner model inside the head shell: applies the final norm to the given hidden state."""
+    """Stands in for the inner model inside the head shell. It holds the final norm (`apply_norm`, called by the
+    head) and hands the already normed hidden state on to the lm_head unchanged."""
 
     def __init__(self, norm: nn.Module | None):
         super().__init__()
         self.norm = norm
 
+    def apply_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.norm is None else self.norm(hidden)
+
     def forward(self, *args, inputs_embeds=None, **kwargs):
-        return _HiddenOnlyOutput(inputs_embeds if self.norm is None else self.norm(inputs_embeds))
+        return _HiddenOnlyOutput(inputs_embeds)
 
 
 class CausalLMHead(nn.Module):
@@ -54,7 +69,8 @@ class CausalLMHead(nn.Module):
     Args:
         causal_lm_shell: shell of the `*ForCausalLM` holding only `FinalNorm` and the lm_head.
         logits_kwargs: fixed keyword arguments for that shell's forward (e.g. `output_router_logits=False`).
-        loss_chunk_tokens: tokens (rows x positions) per cross-entropy chunk.
+        loss_chunk_tokens: most tokens (rows x positions) per cross-entropy chunk; a micro-batch is also cut into
+            at least `MIN_LOSS_CHUNKS` chunks (see [Note: loss chunk size]).
         router_aux_loss_coef: weight of the router aux loss when the batch carries router statistics, else None.
     """
 
@@ -69,17 +85,28 @@ class CausalLMHead(nn.Module):
         if loss_chunk_tokens < 1:
             raise ValueError(f"`loss_chunk_tokens` must be at least 1, got {loss_chunk_tokens}.")
         self.lm = causal_lm_shell
+        self._final_norm_name = next(name for name, m in causal_lm_shell.named_children() if isinstance(m, FinalNorm))
         self.logits_kwargs = dict(logits_kwargs)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.router_aux_loss_coef = router_aux_loss_coef
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        output = self.lm(inputs_embeds=hidden, use_cache=False, **self.logits_kwargs)
+        """`model(...).logits` for the last decoder layer's output `hidden`."""
+        return self._logits_of_normed(self._normed(hidden))
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm._modules[self._final_norm_name].apply_norm(hidden)
+
+    def _logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        output = self.lm(inputs_embeds=normed, use_cache=False, **self.logits_kwargs)
         return output.logits if hasattr(output, "logits") else output[0]
 
     def forward(self, hidden, attention_mask, position_ids, *extras):
         if not extras:
             return self.logits(hidden)
+        if len(extras) == 3:  # router statistics without labels: logits and the statistics (eval loss with aux)
+            router_counts, router_probs, _batch_tokens = extras
+            return self.logits(hidden), router_counts, router_probs
         labels, num_items_in_batch = extras[-2], extras[-1]
         loss = self._cross_entropy_sum(hidden, labels) / num_items_in_batch[0]
         if self.router_aux_loss_coef is not None:
@@ -90,12 +117,14 @@ class CausalLMHead(nn.Module):
         return loss
 
     def _cross_entropy_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        normed = self._normed(hidden)
         shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         num_rows, seq_len = labels.shape
-        chunk_len = max(1, self.loss_chunk_tokens // max(num_rows, 1))
+        chunk_tokens = min(self.loss_chunk_tokens, -(-num_rows * seq_len // MIN_LOSS_CHUNKS))
+        chunk_len = max(1, chunk_tokens // max(num_rows, 1))
         total = None
         for start in range(0, seq_len, chunk_len):
-            args = (hidden[:, start : start + chunk_len], shift_labels[:, start : start + chunk_len])
+            args = (normed[:, start : start + chunk_len], shift_labels[:, start : start + chunk_len])
             if torch.is_grad_enabled():
                 part = checkpoint(self._chunk_loss_sum, *args, use_reentrant=False)
             else:
@@ -103,8 +132,8 @@ class CausalLMHead(nn.Module):
             total = part if total is None else total + part
         return total
 
-    def _chunk_loss_sum(self, hidden_chunk: torch.Tensor, labels_chunk: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(hidden_chunk)
+    def _chunk_loss_sum(self, normed_chunk: torch.Tensor, labels_chunk: torch.Tensor) -> torch.Tensor:
+        logits = self._logits_of_normed(normed_chunk)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),

@@ -11,7 +11,9 @@ Every pipeline layer receives and returns a flat tuple of tensors, each with the
 - `position_ids`: [b, T] integer.
 - `extras` is empty when the batch has no labels: the head then returns logits. With labels it is
   `(labels [b, T], num_items_in_batch [b])`, preceded for MoE families with a router aux loss by
-  `(router_counts, router_probs, batch_tokens)` (see [Note: router statistics] in `router_aux.py`).
+  `(router_counts, router_probs, batch_tokens)` (see [Note: router statistics] in `router_aux.py`). A batch with the
+  router statistics but no labels (`prepare_inputs(..., router_statistics=True)`, the eval loss of an MoE model)
+  makes the head return `(logits, router_counts, router_probs)`.
 
 Masks, rotary embeddings and the other decoder-layer arguments are recomputed inside each layer from this compact
 data by the model's own code (see [Note: shells] in `shell.py`), so no B x T x T tensor ever travels between layers.

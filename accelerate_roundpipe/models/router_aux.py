@@ -133,10 +133,15 @@ def router_aux_loss(
     micro_batch_tokens: torch.Tensor,
 ) -> torch.Tensor:
     """This micro-batch's share of the aux loss (see [Note: router statistics]), before `router_aux_loss_coef`."""
+    aux = batch_router_aux_loss(router_counts, router_probs)
+    return aux * (micro_batch_tokens.to(aux.dtype) / batch_tokens[0].to(aux.dtype))
+
+
+def batch_router_aux_loss(router_counts: torch.Tensor, router_probs: torch.Tensor) -> torch.Tensor:
+    """HF's aux loss (before `router_aux_loss_coef`) of the rows whose running totals are given."""
     num_experts = router_probs.shape[1]
     totals = router_counts.sum(dim=0).to(router_probs.dtype)
     routed_rows = totals[num_experts]
     picks_per_expert = totals[:num_experts] / routed_rows
     prob_per_expert = router_probs.sum(dim=0) / routed_rows
-    aux = num_experts * torch.sum(picks_per_expert * prob_per_expert)
-    return aux * (micro_batch_tokens.to(aux.dtype) / batch_tokens[0].to(aux.dtype))
+    return num_experts * torch.sum(picks_per_expert * prob_per_expert)

@@ -19,7 +19,8 @@ from .shell import UnusedPart, decoder_stubs, make_shell
 
 logger = logging.getLogger(__name__)
 
-# 1024 tokens x a 152k vocabulary is about 0.6 GB of fp32 logits per chunk.
+# 1024 tokens x a 152k vocabulary is about 0.6 GB of fp32 logits per chunk; smaller micro-batches get smaller chunks
+# ([Note: loss chunk size] in head.py).
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
 
 
@@ -49,8 +50,13 @@ class DecoderSplit:
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        router_statistics: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        """The whole batch as the tuple layer 0 takes; every tensor has the batch rows on dim 0 and may be split."""
+        """The whole batch as the tuple layer 0 takes; every tensor has the batch rows on dim 0 and may be split.
+
+        `router_statistics=True` without labels (MoE models with a router aux loss only) makes the last layer return
+        `(logits, router_counts, router_probs)`, from which `batch_router_aux_loss` gives HF's aux loss.
+        """
         return build_batch(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -60,6 +66,7 @@ class DecoderSplit:
             num_items_in_batch=num_items_in_batch,
             router_experts=self.router_experts,
             router_probs_dtype=torch.promote_types(self._parameter_dtype(), torch.float32),
+            router_statistics=router_statistics,
         )
 
     def parameter_names(self) -> dict[str, str]:
@@ -78,7 +85,8 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
     Args:
         model: a `*ForCausalLM` such as Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma2/3, Phi3, GPT-OSS; with PEFT, the
             LoRA adapters stay inside the decoder layers and frozen parameters stay frozen.
-        loss_chunk_tokens: tokens per cross-entropy chunk in the head (bounds the fp32 logits held at once).
+        loss_chunk_tokens: most tokens per cross-entropy chunk in the head (bounds the fp32 logits held at once;
+            see [Note: loss chunk size] in `head.py`).
 
     The layers share modules with `model` (no weights are copied). HF gradient checkpointing is switched off on the
     model, since the engine recomputes activations itself. Raises `UnsupportedModelError` naming what is missing.
@@ -138,7 +146,7 @@ def _inner_shell(parts: DecoderParts, stubs: list, keep_embed: bool) -> nn.Modul
 
 
 def _causal_lm_shell(parts: DecoderParts) -> nn.Module:
-    """Shell of the causal LM whose inner model only applies the final norm (see `head.py`)."""
+    """Shell of the causal LM whose inner model is `FinalNorm`: it holds the final norm (see `head.py`)."""
     children = _parameter_free_children(parts.causal_lm, exclude=(parts.inner_name, parts.lm_head_name))
     children[parts.inner_name] = FinalNorm(parts.norm)
     children[parts.lm_head_name] = parts.lm_head
