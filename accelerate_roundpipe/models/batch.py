@@ -36,16 +36,23 @@ def build_batch(
     num_rows, seq_len = tokens.shape[:2]
     device = tokens.device
 
-    if attention_mask is None:
-        attention_mask = torch.zeros(num_rows, 0, dtype=torch.int64, device=device)  # "no mask given"
-    elif attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             f"`attention_mask` must be the 2-D padding mask [batch, seq]; got shape {tuple(attention_mask.shape)}. "
             "4-D masks are rebuilt inside each layer and cannot be passed in."
         )
+    if _is_all_ones_on_host(attention_mask) and position_ids is None:
+        # [Note: no device syncs in the model code] HF's mask code tests `padding_mask.all()` and, without a mask,
+        # looks for packed sequences in `position_ids`: both synchronise the GPU in every layer of every
+        # micro-batch. An all-ones mask with default positions means plain causal attention, so both are left out
+        # here, on the host, where the test is free; the model's own code then takes its `is_causal` path.
+        attention_mask = None
+    if attention_mask is None:
+        attention_mask = torch.zeros(num_rows, 0, dtype=torch.int64, device=device)  # "no mask given"
     if position_ids is None:
-        position_ids = torch.arange(seq_len, device=device)
-    position_ids = position_ids.expand(num_rows, seq_len).contiguous()
+        position_ids = torch.zeros(num_rows, 0, dtype=torch.int64, device=device)  # "default positions 0..T-1"
+    else:
+        position_ids = position_ids.expand(num_rows, seq_len).contiguous()
 
     batch = (tokens, attention_mask, position_ids)
     if labels is None and not (router_statistics and router_experts is not None):
@@ -61,6 +68,10 @@ def build_batch(
     if labels is None:
         return batch
     return batch + (labels, _num_items_per_row(labels, num_items_in_batch, num_rows))
+
+
+def _is_all_ones_on_host(mask: torch.Tensor | None) -> bool:
+    return mask is not None and mask.device.type == "cpu" and bool(mask.all())
 
 
 def _num_items_per_row(labels: torch.Tensor, num_items_in_batch, num_rows: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ Every pipeline layer receives and returns a flat tuple of tensors, each with the
 - `hidden`: [b, T, H] float; for the first layer, `input_ids` [b, T] (integer) or `inputs_embeds` [b, T, H].
 - `attention_mask`: the 2-D padding mask [b, T] as the user gave it (left or right padding), or an empty [b, 0]
   tensor meaning "no mask given" (HF then treats `position_ids` restarts as packed sequences).
-- `position_ids`: [b, T] integer.
+- `position_ids`: [b, T] integer, or an empty [b, 0] tensor meaning "the default positions 0..T-1" (HF then
+  computes them itself, and an all-ones mask is dropped on the host: see [Note: no device syncs in the model code]
+  in `batch.py`).
 - `extras` is empty when the batch has no labels: the head then returns logits. With labels it is
   `(labels [b, T], num_items_in_batch [b])`, preceded for MoE families with a router aux loss by
   `(router_counts, router_probs, batch_tokens)` (see [Note: router statistics] in `router_aux.py`). A batch with the
@@ -33,6 +35,11 @@ def optional_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
     return None if attention_mask.shape[-1] == 0 else attention_mask
 
 
+def optional_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The position ids to hand to HF: None for the [b, 0] "default positions" form."""
+    return None if position_ids.shape[-1] == 0 else position_ids
+
+
 class EmbeddingLayer(nn.Module):
     """Layer 0: token ids (or given embeddings) to the hidden state that enters decoder layer 0.
 
@@ -50,7 +57,7 @@ class EmbeddingLayer(nn.Module):
             self.inner,
             0,
             attention_mask=optional_mask(attention_mask),
-            position_ids=position_ids,
+            position_ids=optional_positions(position_ids),
             use_cache=False,
             **source,
         )
@@ -93,7 +100,7 @@ class DecoderLayer(nn.Module):
             self.layer_index,
             inputs_embeds=hidden.detach(),
             attention_mask=optional_mask(attention_mask),
-            position_ids=position_ids,
+            position_ids=optional_positions(position_ids),
             use_cache=False,
         )
         # The real hidden state replaces the one the shell saw (its own `hidden.detach()`, possibly scaled).
