@@ -91,11 +91,22 @@ class DecoderLayer(nn.Module):
         self.layer_index = layer_index
         self.router_top_k = router_top_k
         self.router_logits_in_output = router_logits_in_output
+        self._captured: dict[tuple, tuple[tuple, dict]] = {}
 
-    def forward(self, hidden, attention_mask, position_ids, *extras):
+    def _layer_arguments(self, hidden, attention_mask, position_ids) -> tuple[tuple, dict]:
+        """What the model's own forward passes to this decoder layer (see [Note: shells]).
+
+        With the default mask and positions, the arguments depend only on the hidden state's shape, dtype and
+        device, so they are captured once and reused: running the model's forward up to this layer (mask
+        construction, rotary embeddings, decorators) in every layer of every micro-batch would keep the host, not
+        the GPU, the bottleneck."""
+        default = attention_mask.shape[-1] == 0 and position_ids.shape[-1] == 0
+        key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+        if default and key in self._captured:
+            return self._captured[key]
         # `hidden` is detached here: the shell only reads its shape, dtype and device (some models also scale it,
         # which must not reach the autograd graph).
-        args, kwargs = capture_layer_call(
+        captured = capture_layer_call(
             self.inner,
             self.layer_index,
             inputs_embeds=hidden.detach(),
@@ -103,6 +114,14 @@ class DecoderLayer(nn.Module):
             position_ids=optional_positions(position_ids),
             use_cache=False,
         )
+        if default:
+            if len(self._captured) >= 4:
+                self._captured.pop(next(iter(self._captured)))
+            self._captured[key] = captured
+        return captured
+
+    def forward(self, hidden, attention_mask, position_ids, *extras):
+        args, kwargs = self._layer_arguments(hidden, attention_mask, position_ids)
         # The real hidden state replaces the one the shell saw (its own `hidden.detach()`, possibly scaled).
         if "hidden_states" in kwargs:
             kwargs = {**kwargs, "hidden_states": hidden}
