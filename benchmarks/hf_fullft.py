@@ -72,7 +72,8 @@ def run(args, num_microbatches: int) -> dict:
               "nms": num_microbatches, "iter_s": round(median, 4),
               "tokens_per_s": round(args.gb * args.seq / median, 1),
               "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "torch": torch.__version__}
+              "commit": os.environ.get("BENCH_COMMIT", "unknown"), "torch": torch.__version__,
+              "torch_threads": torch.get_num_threads()}
     engine.close()
     return result
 
@@ -86,7 +87,11 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--out", default="benchmarks/results/hf_fullft.jsonl")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads for the host work (default: torch's own choice)")
     args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     for nms in (int(v) for v in args.nms.split(",")):
         result = run(args, nms)
         print("RESULT", json.dumps(result), flush=True)
