@@ -34,12 +34,12 @@ def test_paper_case_numbers_and_ordering():
 
 def test_flop_costs_with_the_full_lm_head():
     """With FLOP costs the Qwen3-1.7B head is 5.3 decoder layers: one indivisible stage paces every schedule and
-    hurts the virtual-stage ones most. Ours: async 9% < sync 33% < GPipe 41% < interleaved 55% < looped BFS 63%."""
+    hurts the virtual-stage ones most. Ours: async 10% < sync 36% < GPipe 41% < interleaved 55% < looped BFS 63%."""
     costs = decoder_layer_costs(MODEL_SHAPES["qwen3-1.7b"], 4096)
     assert costs[-1] / costs[1] == pytest.approx(5.3, abs=0.05)
     r = compare_bubbles(8, 16, costs)
-    assert r["roundpipe_async"] == pytest.approx(0.091, abs=0.003)
-    assert r["roundpipe_sync"] == pytest.approx(0.334, abs=0.003)
+    assert r["roundpipe_async"] == pytest.approx(0.101, abs=0.003)
+    assert r["roundpipe_sync"] == pytest.approx(0.361, abs=0.003)
     assert r["roundpipe_async"] < r["roundpipe_sync"] < r["gpipe"] < r["interleaved_1f1b"] < r["looped_bfs"]
 
 
@@ -53,6 +53,15 @@ def test_classic_schedules_on_uniform_costs_match_their_formulas():
     inter = simulate_classic(interleaved_one_f_one_b(n, m, costs, chunks=2), costs)
     assert inter == pytest.approx((n - 1) / 2 / (m + (n - 1) / 2))
     assert simulate_classic(looped_bfs(n, m, costs, chunks=2), costs) < fill
+
+
+def test_cli_paper_profile_matches_the_pinned_numbers(capsys):
+    """`--head-layers 1` on the FLOP model gives the paper profile's numbers (the embedding's tiny cost joins a
+    stage instead of making one)."""
+    main(["--model", "qwen3-1.7b", "--devices", "8", "--microbatches", "16", "--json", "--head-layers", "1"])
+    printed = json.loads(capsys.readouterr().out)
+    expected = compare_bubbles(8, 16, PAPER_PROFILE)
+    assert all(printed[k] == pytest.approx(v, abs=0.01) for k, v in expected.items())
 
 
 def test_cli_json(capsys):

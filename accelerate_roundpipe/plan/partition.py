@@ -95,7 +95,7 @@ def _pack(costs: Sequence[float], budget: float) -> list[int]:
     counts: list[int] = []
     total = 0.0
     for cost in costs:
-        if counts and total + cost <= budget * (1 + 1e-9):
+        if counts and total + cost <= budget * 1.01:  # a near-free layer (an embedding) never makes a stage alone
             counts[-1] += 1
             total += cost
         else:
