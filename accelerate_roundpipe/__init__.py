@@ -18,3 +18,15 @@ __all__ = [
     "EngineClosedError",
     "__version__",
 ]
+
+# The ways in (accelerate_roundpipe.integrations), imported on first use: they pull in accelerate and transformers.
+_INTEGRATION_EXPORTS = ("RoundPipePlugin", "RoundPipeAccelerator", "RoundPipeTrainer", "RoundPipeTrainingArguments")
+__all__ += list(_INTEGRATION_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATION_EXPORTS:
+        from . import integrations
+
+        return getattr(integrations, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

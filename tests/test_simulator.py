@@ -70,3 +70,11 @@ def test_cli_json(capsys):
     assert set(printed) == {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "roundpipe_sync", "roundpipe_async"}
     assert all(0.0 <= v <= 1.0 for v in printed.values())
     assert printed["roundpipe_async"] == pytest.approx(result["roundpipe_async"], abs=1e-4)
+
+
+def test_console_command_has_simulate(capsys):
+    from accelerate_roundpipe.integrations.cli import main as cli_main
+
+    cli_main(["simulate", "--model", "qwen3-1.7b", "--devices", "8", "--microbatches", "16", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["roundpipe_async"] < printed["roundpipe_sync"] < printed["gpipe"]

@@ -1,0 +1,202 @@
+"""`RoundPipeAccelerator`: `accelerate.Accelerator` with RoundPipe underneath, so a stock loop keeps its meaning.
+
+    accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(devices=["cuda:0", "cuda:1"]))
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    for batch in train_dl:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss          # the fused pipelined forward + backward ([Note: deferred ...])
+            accelerator.backward(loss)          # commits the gradients, scaled by 1 / accumulation steps
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the real norm
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()   # lagged CPU step
+
+One process drives every device: RoundPipe replaces data parallelism, so multi-process launches, DDP, FSDP and
+DeepSpeed are refused with the setting to change. Batches stay in host memory (`accelerator.device` is the CPU); the
+engine uploads micro-batches to its workers itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import accelerate
+import torch
+from accelerate.utils import DistributedType, DynamoBackend
+from torch import nn
+
+from ..runtime import RoundPipe
+from .checkpoint import EngineWeights, detached_state_dict, load_optimizer_copies, save_optimizer_copies
+from .convert import convert_model, engine_of
+from .grad_norm import clip_grad_norm, clip_grad_value
+from .optimizer import RoundPipeAcceleratedOptimizer, repoint_optimizer
+from .plugin import RoundPipePlugin
+
+logger = logging.getLogger(__name__)
+
+ONE_PROCESS = ("RoundPipe drives every GPU from one process and replaces data parallelism: launch a single process "
+               "(`accelerate launch --num_processes 1`, no --multi_gpu; distributed_type: NO in the accelerate "
+               "config) and list the GPUs in ROUNDPIPE_DEVICES (e.g. 'cuda:0,cuda:1').")
+
+
+class RoundPipeAccelerator(accelerate.Accelerator):
+    """An `accelerate.Accelerator` whose `prepare` puts models on RoundPipe.
+
+    Args:
+        roundpipe_plugin (`RoundPipePlugin`, *optional*): the RoundPipe settings. Default: `RoundPipePlugin()`,
+            i.e. the `ROUNDPIPE_*` environment variables, else the documented defaults.
+        **kwargs: everything `accelerate.Accelerator` takes. `mixed_precision="bf16"` makes the compute copies
+            bfloat16 (unless the plugin sets `param_dtype`) with float32 optimizer copies; fp16/fp8, DeepSpeed,
+            FSDP, Megatron-LM and parallelism configs are refused.
+    """
+
+    def __init__(self, *args, roundpipe_plugin: RoundPipePlugin | None = None, **kwargs) -> None:
+        for name in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+                     "parallelism_config"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"RoundPipeAccelerator got `{name}`; {ONE_PROCESS} Drop `{name}`.")
+        self.roundpipe_plugin = roundpipe_plugin if roundpipe_plugin is not None else RoundPipePlugin()
+        super().__init__(*args, **kwargs)
+        if self.num_processes > 1 or self.distributed_type != DistributedType.NO:
+            raise ValueError(f"this run has num_processes={self.num_processes} and distributed_type="
+                             f"{self.distributed_type.value}. {ONE_PROCESS}")
+        self._refuse_compilation()
+        self._adopt_mixed_precision()
+        self._roundpipe_engines: list[RoundPipe] = []
+        self._roundpipe_load_dir: str | None = None
+        self.register_load_state_pre_hook(self._remember_load_dir)
+
+    def _refuse_compilation(self) -> None:
+        dynamo = getattr(self.state, "dynamo_plugin", None)
+        if dynamo is not None and dynamo.backend != DynamoBackend.NO:
+            raise ValueError(f"dynamo_backend={dynamo.backend.value!r} is set, but RoundPipe runs each layer on its "
+                             f"own workers, outside any compiled graph. Set dynamo_backend to 'no' (accelerate config "
+                             f"/ --dynamo_backend no / ACCELERATE_DYNAMO_BACKEND=no).")
+
+    def _adopt_mixed_precision(self) -> None:
+        """Turn accelerate's autocast into RoundPipe compute dtypes: autocast is per thread, and the engine's
+        workers are other threads, so it would silently do nothing."""
+        precision = str(self.state.mixed_precision)
+        if precision == "no":
+            return
+        if precision != "bf16":
+            raise ValueError(f"mixed_precision={precision!r} is not supported with RoundPipe (it needs loss scaling, "
+                             f"which the lagged optimizer does not do). Use mixed_precision='bf16', or set "
+                             f"`param_dtype` (env ROUNDPIPE_PARAM_DTYPE) and mixed_precision='no'.")
+        if self.roundpipe_plugin.param_dtype is None:
+            self.roundpipe_plugin.param_dtype = torch.bfloat16
+            logger.info("mixed_precision='bf16': RoundPipe computes with bfloat16 compute copies and keeps float32 "
+                        "optimizer copies (param_dtype=bfloat16).")
+        self.native_amp = False
+
+    # ------------------------------------------------------------------ where things live
+
+    @property
+    def device(self) -> torch.device:
+        """Inputs and outputs stay in host memory: the engine uploads micro-batches to its workers itself."""
+        return torch.device("cpu")
+
+    def roundpipe_engine(self, model: nn.Module) -> RoundPipe | None:
+        """The RoundPipe engine behind a prepared model (e.g. to read `engine.partition` or `close()` it)."""
+        return engine_of(model)
+
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self, *args, device_placement=None):
+        # Models first, whatever the argument order: the optimizer is re-pointed to their optimizer copies.
+        for obj in args:
+            if isinstance(obj, nn.Module):
+                self._convert(obj)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        prepared = self._convert(model)
+        if prepared not in self._models:
+            self._models.append(prepared)
+        prepared._is_accelerate_prepared = True
+        return prepared
+
+    def _convert(self, model: nn.Module) -> nn.Module:
+        prepared, engine = convert_model(model, self.roundpipe_plugin)
+        # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
+        engine.expected_grad_scale = 1.0 / self.gradient_accumulation_steps
+        if engine not in self._roundpipe_engines:
+            self._roundpipe_engines.append(engine)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        prepared = RoundPipeAcceleratedOptimizer(repoint_optimizer(optimizer, self._roundpipe_engines))
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        # Batches stay in host memory (see `device`).
+        return super().prepare_data_loader(data_loader, device_placement=False,
+                                           slice_fn_for_dispatch=slice_fn_for_dispatch)
+
+    # ------------------------------------------------------------------ training-step helpers
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The norm of the gradients RoundPipe holds for `parameters` (this step's, exact), clipped in place."""
+        return clip_grad_norm(list(parameters), self._roundpipe_engines, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        clip_grad_value(list(parameters), self._roundpipe_engines, clip_value)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's model, showing the newest weights (the engine is synchronized first)."""
+        engine = engine_of(model)
+        if engine is None:
+            return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        engine.synchronize()
+        return engine.module
+
+    def get_state_dict(self, model, unwrap=True):
+        engine = engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap)
+        return detached_state_dict(engine)
+
+    def synchronize_roundpipe(self) -> None:
+        """Wait for every pass and lagged step of every RoundPipe model."""
+        for engine in self._roundpipe_engines:
+            engine.synchronize()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """accelerate's `save_state` with the lagged steps flushed first (and the fp32 optimizer copies saved when
+        the compute copies are narrower)."""
+        self.synchronize_roundpipe()
+        location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        for index, model in enumerate(self._models):
+            engine = engine_of(model)
+            if engine is not None:
+                save_optimizer_copies(engine, location, suffix=f"_{index}" if index else "")
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        self.synchronize_roundpipe()
+        with self._models_as_engine_weights():
+            super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        for index, model in enumerate(self._models):
+            engine = engine_of(model)
+            if engine is not None and self._roundpipe_load_dir is not None:
+                load_optimizer_copies(engine, self._roundpipe_load_dir, suffix=f"_{index}" if index else "")
+
+    def _remember_load_dir(self, models, input_dir: str) -> None:
+        self._roundpipe_load_dir = input_dir
+
+    @contextlib.contextmanager
+    def _models_as_engine_weights(self):
+        """accelerate loads model weights with `model.load_state_dict`; route RoundPipe models through the engine
+        (same list positions, so the file names accelerate picks stay right)."""
+        saved = list(self._models)
+        self._models[:] = [EngineWeights(e) if (e := engine_of(m)) is not None else m for m in saved]
+        try:
+            yield
+        finally:
+            self._models[:] = saved

@@ -1,0 +1,98 @@
+"""Saving and loading RoundPipe models inside accelerate/Trainer checkpoints.
+
+Three things differ from a plain model:
+
+- The module's tensors are views of one flat host buffer per layer. accelerate's safetensors writer takes tensors
+  sharing a storage for tied weights and drops all but one, so `detached_state_dict` hands out copies (tied weights
+  stay tied: one copy per distinct view).
+- Loading into the module writes only the compute copies; `EngineWeights` routes accelerate's loader through
+  `engine.load_state_dict`, which also refreshes the optimizer copies.
+- With a low-precision compute copy (e.g. `param_dtype=bfloat16`), the saved model weights are rounded; the fp32
+  optimizer copies are saved beside them (`OPTIMIZER_COPIES_FILE`) so a resume continues from the exact values.
+
+Every function synchronizes the engine first: the lagged step is flushed before anything is read or written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+
+from ..runtime import RoundPipe
+
+OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
+
+
+def detached_state_dict(engine: RoundPipe) -> OrderedDict[str, torch.Tensor]:
+    """The module's state dict (newest weights), each distinct tensor copied out of the host store once."""
+    state = engine.state_dict()  # synchronizes
+    copies: dict[tuple, torch.Tensor] = {}
+    out = OrderedDict()  # as `state_dict()` returns: accelerate removes tied duplicates only from an OrderedDict
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key not in copies:
+            copies[key] = tensor.detach().clone()
+        out[name] = copies[key]
+    return out
+
+
+class EngineWeights:
+    """Stands in for a RoundPipe model in accelerate's `load_state` (see the module docstring)."""
+
+    def __init__(self, engine: RoundPipe) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return detached_state_dict(self.engine)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, **kwargs):
+        return self.engine.load_state_dict(state_dict, strict=strict)
+
+
+def has_low_precision_compute(engine: RoundPipe) -> bool:
+    """True when some compute copy is narrower than its optimizer copy (saving only the model would round it)."""
+    for (_, compute), (_, optim) in zip(engine.module.named_parameters(), engine.named_parameters()):
+        if optim.requires_grad and compute.dtype != optim.dtype:
+            return True
+    return False
+
+
+def save_optimizer_copies(engine: RoundPipe, directory: str, suffix: str = "") -> str | None:
+    """Write the trainable optimizer copies when the model weights alone would lose precision."""
+    if not has_low_precision_compute(engine):
+        return None
+    from safetensors.torch import save_file
+
+    engine.synchronize()
+    tensors = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
+    path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
+    save_file(tensors, path)
+    return path
+
+
+def load_optimizer_copies(engine: RoundPipe, directory: str, suffix: str = "") -> bool:
+    """Restore the optimizer copies saved by `save_optimizer_copies` (and the compute copies from them)."""
+    path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
+    if not os.path.isfile(path):
+        return False
+    if engine.optimizer is None:
+        raise RuntimeError("restore RoundPipe optimizer copies after the optimizer is prepared (the engine checks that "
+                           "only its optimizer writes them).")
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    engine.synchronize()
+    with torch.no_grad():
+        for name, p in engine.named_parameters():
+            if p.requires_grad and name in tensors:
+                p.copy_(tensors[name])
+        engine.module.load_state_dict(tensors, strict=False)  # the compute copies, rounded from the same values
+    return True
+
+
+def refresh_optimizer_copies(engine: RoundPipe) -> None:
+    """After weights were loaded into the module directly (e.g. `Trainer` resuming, PEFT `load_adapter`), make the
+    optimizer copies follow the compute copies."""
+    engine.load_state_dict(engine.module.state_dict())

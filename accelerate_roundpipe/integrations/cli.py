@@ -1,0 +1,165 @@
+"""The `accelerate-roundpipe` command: `config`, `launch` and `simulate`.
+
+    accelerate-roundpipe config [--config_file F] [--devices cuda:0,cuda:1] [--num_microbatches 8] ...
+    accelerate-roundpipe launch --roundpipe [--config_file F] [accelerate launch args] script.py ARGS
+    accelerate-roundpipe simulate --model qwen3-1.7b --devices 8 --microbatches 16 [--json]
+
+`launch` parses its arguments with accelerate's own `accelerate launch` parser (plus `--roundpipe`), strips the
+`roundpipe:` section from the config file (accelerate rejects unknown keys), exports the section as `ROUNDPIPE_*`
+variables (variables already set in the environment win), and hands over to accelerate's launcher with the script
+wrapped in `-m accelerate_roundpipe.run`. Without `--roundpipe` and without `enabled: true` in the section it is a
+plain `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+
+from ..config import RoundPipeConfig
+from .launch_config import (
+    ENABLED_KEY,
+    SECTION,
+    base_accelerate_config,
+    default_config_path,
+    read_config,
+    section_variables,
+    setting_names,
+    split_section,
+    write_config,
+)
+from .plugin import RoundPipePlugin
+
+RUN_MODULE = "accelerate_roundpipe.run"
+
+
+def config_command(argv: list[str]) -> str:
+    """Write a single-process accelerate config with a `roundpipe:` section; returns its path."""
+    parser = argparse.ArgumentParser(prog="accelerate-roundpipe config",
+                                     description="Write an accelerate config file with a `roundpipe:` section.")
+    parser.add_argument("--config_file", default=None,
+                        help=f"where to write it (default: {default_config_path()}, beside accelerate's own default "
+                             f"config, which stays usable by plain `accelerate launch`)")
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
+    for f in dataclasses.fields(RoundPipeConfig):
+        parser.add_argument(f"--{f.name}", default=None,
+                            help=f"{f.metadata.get('help', '')} (written as `{f.name}:`, ROUNDPIPE_{f.name.upper()})")
+    args = parser.parse_args(argv)
+    import torch
+
+    section = {ENABLED_KEY: True}
+    section.update({name: _yaml_value(getattr(args, name)) for name in setting_names()
+                    if getattr(args, name) is not None})
+    variables = section_variables(section)
+    RoundPipePlugin(**_plugin_values(variables))  # check the values now, not at launch time
+    config = base_accelerate_config(use_cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
+    config[SECTION] = section
+    path = args.config_file or default_config_path()
+    write_config(config, path)
+    print(f"accelerate config with RoundPipe written to {path}")
+    return path
+
+
+def _yaml_value(text: str) -> bool | int | float | str:
+    """'8' -> 8, 'false' -> False, 'cuda:0,cuda:1' stays a string: the file reads like a hand-written one."""
+    if text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _plugin_values(variables: dict[str, str]) -> dict[str, str]:
+    prefix = "ROUNDPIPE_"
+    return {name[len(prefix):].lower(): value for name, value in variables.items()}
+
+
+def launch_command(argv: list[str]) -> None:
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.prog = "accelerate-roundpipe launch"
+    parser.add_argument("--roundpipe", action="store_true",
+                        help="run the script on RoundPipe (as `python -m accelerate_roundpipe.run` does)")
+    args = parser.parse_args(argv)
+    use_roundpipe = args.roundpipe
+    del args.roundpipe
+    if args.config_file is None and os.path.isfile(default_config_path()):
+        args.config_file = default_config_path()
+
+    config, section = ({}, None)
+    if args.config_file is not None:
+        config, section = split_section(read_config(args.config_file))
+    use_roundpipe = use_roundpipe or bool(section and section.get(ENABLED_KEY, False))
+
+    with tempfile.TemporaryDirectory(prefix="accelerate_roundpipe_") as scratch:
+        if section is not None:
+            # accelerate must never see the section: hand it a copy of the file without it.
+            stripped = os.path.join(scratch, "accelerate_config" + os.path.splitext(args.config_file)[1])
+            write_config(config, stripped)
+            args.config_file = stripped
+        if use_roundpipe:
+            _check_one_process(args, config)
+            for name, value in section_variables(section or {}).items():
+                os.environ.setdefault(name, value)
+            RoundPipePlugin()  # bad ROUNDPIPE_* names or values fail here, before anything is started
+            if args.num_processes is None and "num_processes" not in config:
+                args.num_processes = 1  # accelerate would otherwise start one process per GPU
+            args.training_script_args = [*(["-m"] if args.module else []), args.training_script,
+                                         *args.training_script_args]
+            args.training_script, args.module = RUN_MODULE, True
+        try:
+            accelerate_launch(args)
+        except subprocess.CalledProcessError as error:  # the script failed; its traceback is already printed
+            raise SystemExit(error.returncode) from None
+
+
+def _check_one_process(args, config: dict) -> None:
+    """RoundPipe drives every GPU from one process: refuse launch settings that start several or shard."""
+    problems = []
+    for flag in ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu"):
+        if getattr(args, flag, False):
+            problems.append(f"--{flag}")
+    if (args.num_processes or 1) > 1:
+        problems.append(f"--num_processes {args.num_processes}")
+    if (args.num_machines or 1) > 1:
+        problems.append(f"--num_machines {args.num_machines}")
+    distributed = str(config.get("distributed_type", "NO"))
+    if distributed not in ("NO", "DistributedType.NO"):
+        problems.append(f"distributed_type: {distributed} in the config file")
+    if args.num_processes is None and int(config.get("num_processes", 1)) > 1:
+        problems.append(f"num_processes: {config['num_processes']} in the config file")
+    if problems:
+        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {', '.join(problems)} would start several "
+                         f"processes or shard the model, but RoundPipe drives every GPU from one process and replaces "
+                         f"data parallelism. Use one process (distributed_type: NO, num_processes: 1) and list the "
+                         f"GPUs in `{SECTION}: devices` (env ROUNDPIPE_DEVICES), e.g. 'cuda:0,cuda:1'.")
+
+
+def simulate_command(argv: list[str]) -> None:
+    """Bubble ratios of RoundPipe and the classic schedules (see `accelerate_roundpipe.plan.simulate_cli`)."""
+    from ..plan.simulate_cli import main as simulate_main
+
+    simulate_main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"config": config_command, "launch": launch_command, "simulate": simulate_command}
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip().split("\n\n")[0] + "\n\n" + "\n".join(
+            line for line in __doc__.splitlines() if line.startswith("    accelerate-roundpipe")))
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

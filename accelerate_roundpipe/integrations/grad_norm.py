@@ -1,0 +1,110 @@
+"""Gradient norms under RoundPipe: the exact norm for clipping, and a norm for logging that does not stall.
+
+Gradients live on the engine's optimizer copies, not on `model.parameters()` (the compute copies), and they are
+final only once the pass's backward finished. `clip_grad_norm_` therefore maps the parameters it is given to their
+optimizer copies and synchronizes the engine first: the norm is this step's, exact, and the in-place clip is seen
+by the next `optimizer.step()` (which is scheduled after it). The price is one pipeline drain per step.
+
+[Note: late grad norm]
+`transformers.Trainer` (5.x) logs a gradient norm every step even without clipping. Synchronizing for that alone
+would drain the pipeline every step, so `LateGradNorm` measures the norm on the optimizer thread instead, as part of
+the lagged step (a step pre-hook of the wrapped optimizer sees each bucket's final gradients), and the norm reported
+at step k is the one of step k-1. Each step's groups are tagged with the step index so the measurements of two steps
+never mix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from ..runtime import LaggedOptimizer, RoundPipe
+from .optimizer import optimizer_copy_map
+
+STEP_TAG = "roundpipe_step_index"
+
+
+def gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]) -> tuple[list, list[RoundPipe]]:
+    """The tensors whose `.grad` holds the gradients of `parameters`, and the engines involved."""
+    maps = [(engine, optimizer_copy_map(engine)) for engine in engines]
+    holders, involved = [], []
+    for p in parameters:
+        for engine, mapping in maps:
+            if id(p) in mapping:
+                p = mapping[id(p)]
+                if engine not in involved:
+                    involved.append(engine)
+                break
+        holders.append(p)
+    return holders, involved
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], max_norm: float,
+                   norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the gradients RoundPipe really holds; returns the pre-clip norm."""
+    holders, involved = gradient_holders(parameters, engines)
+    for engine in involved:
+        engine.synchronize()
+    return torch.nn.utils.clip_grad_norm_(holders, max_norm, norm_type=norm_type)
+
+
+def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], clip_value: float) -> None:
+    holders, involved = gradient_holders(parameters, engines)
+    for engine in involved:
+        engine.synchronize()
+    torch.nn.utils.clip_grad_value_(holders, clip_value)
+
+
+class LateGradNorm:
+    """The L2 gradient norm of each optimizer step, measured on the optimizer thread ([Note: late grad norm])."""
+
+    def __init__(self, engine: RoundPipe, optimizer: LaggedOptimizer) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+        self._lock = threading.Lock()
+        self._squares: dict[int, float] = {}  # step index -> sum of squared per-tensor norms
+        self._seen: dict[int, int] = {}  # step index -> number of tensors measured
+        self._expected = sum(len(g["params"]) for g in optimizer.param_groups)
+        self._handle = optimizer.inner.register_step_pre_hook(self._measure)
+
+    def before_step(self, step_index: int) -> None:
+        """Tag the groups of the step about to be taken (the lagged optimizer snapshots them at `step()`)."""
+        for group in self.optimizer.param_groups:
+            group[STEP_TAG] = step_index
+
+    def norm_of(self, step_index: int) -> float | None:
+        """The norm of step `step_index` (waits for that step if it is still running); None before any step."""
+        if step_index < 0:
+            return None
+        with self._lock:
+            complete = self._seen.get(step_index, 0) >= self._expected
+        if not complete:
+            # Still running, or some bucket had no gradient (then it was skipped, and adds 0 to the norm).
+            self.engine.synchronize()
+        with self._lock:
+            squares = self._squares.get(step_index)
+            for old in [k for k in self._squares if k < step_index]:
+                self._squares.pop(old)
+                self._seen.pop(old, None)
+        return None if squares is None else squares ** 0.5
+
+    def _measure(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        # Runs on the optimizer thread, inside one bucket's step: `param_groups` holds that bucket's parameters,
+        # whose gradients are final.
+        squares, count, step_index = 0.0, 0, None
+        for group in optimizer.param_groups:
+            step_index = group.get(STEP_TAG, step_index)
+            for p in group["params"]:
+                count += 1
+                if p.grad is not None:
+                    squares += float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
+        if step_index is None:
+            return
+        with self._lock:
+            self._squares[step_index] = self._squares.get(step_index, 0.0) + squares
+            self._seen[step_index] = self._seen.get(step_index, 0) + count
+
+    def close(self) -> None:
+        self._handle.remove()

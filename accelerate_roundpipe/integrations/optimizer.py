@@ -1,0 +1,103 @@
+"""Moving a user's optimizer onto RoundPipe's optimizer copies, and accelerate's wrapper around the result.
+
+[Note: optimizer re-pointing]
+Users (and `Trainer.create_optimizer`) build their optimizer over `model.parameters()`. Under RoundPipe those
+parameters are the *compute* copies (views of the host store the devices read); the copies the optimizer must step
+are the engine's fp32 *optimizer* copies, which carry the gradients. Rather than rebuilding the optimizer (its
+constructor may need arguments we do not know, and an LR scheduler may already hold it), the user's optimizer object
+is kept and each `param_group["params"]` list is re-pointed in place, by parameter identity, to the matching
+optimizer copies (accelerate does the same on TPUs, `AcceleratedOptimizer._switch_parameters`). Class, group order,
+group hyper-parameters, `defaults`, any existing state and any scheduler built on it are kept. Frozen parameters have
+no optimizer copy and are dropped from their group (they never get a gradient); a group may become empty, so
+per-group scheduler lambdas keep their positions. The re-pointed optimizer is then wrapped by
+`engine.wrap_optimizer` (lagged, stepped on the optimizer thread).
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+from ..runtime import LaggedOptimizer, RoundPipe
+
+
+def optimizer_copy_map(engine: RoundPipe) -> dict[int, nn.Parameter]:
+    """id(parameter as the user sees it) -> the tensor the optimizer must hold for it.
+
+    Covers the compute copies (`engine.module`'s parameters) and the optimizer copies themselves; frozen parameters
+    map to themselves (they have no optimizer copy).
+    """
+    mapping = {}
+    for (_, user_param), (_, optim_param) in zip(engine.module.named_parameters(), engine.named_parameters()):
+        mapping[id(user_param)] = optim_param
+        mapping[id(optim_param)] = optim_param
+    return mapping
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe]) -> LaggedOptimizer:
+    """Re-point `optimizer` to the optimizer copies of one of `engines` and wrap it lagged.
+
+    See [Note: optimizer re-pointing].
+    """
+    if isinstance(optimizer, LaggedOptimizer):
+        return optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    maps = {id(e): optimizer_copy_map(e) for e in engines}
+    owners = [e for e in engines if any(id(p) in maps[id(e)] for p in params)]
+    if not owners:
+        raise ValueError("the optimizer holds no parameter of a RoundPipe model prepared by this accelerator. Build "
+                         "the optimizer over `model.parameters()` and prepare both together: "
+                         "`model, optimizer = accelerator.prepare(model, optimizer)`.")
+    if len(owners) > 1:
+        raise ValueError("one optimizer spans the parameters of several RoundPipe models; give each model its own "
+                         "optimizer (each engine steps its optimizer on its own thread).")
+    engine = owners[0]
+    mapping = maps[id(engine)]
+    foreign = [p for p in params if id(p) not in mapping]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the RoundPipe "
+                         f"model it steps (first shape: {tuple(foreign[0].shape)}); build the optimizer over that "
+                         f"model's parameters only.")
+    new_of_old: dict[int, nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        kept, kept_ids = [], set()
+        for p in group["params"]:
+            target = mapping[id(p)]
+            new_of_old[id(p)] = target
+            if target.requires_grad and id(target) not in kept_ids:
+                kept.append(target)
+                kept_ids.add(id(target))
+        group["params"] = kept
+    _rekey_state(optimizer, new_of_old)
+    return engine.wrap_optimizer(optimizer)
+
+
+def _rekey_state(optimizer: torch.optim.Optimizer, new_of_old: dict[int, nn.Parameter]) -> None:
+    """Per-parameter state (e.g. an optimizer loaded before `prepare`) follows its parameter."""
+    if not optimizer.state:
+        return
+    moved = {}
+    for param, state in optimizer.state.items():
+        target = new_of_old.get(id(param), param)
+        moved[target] = state
+    optimizer.state.clear()
+    optimizer.state.update(moved)
+
+
+class RoundPipeAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper (gradient-accumulation aware `step`/`zero_grad`) around a `LaggedOptimizer`.
+
+    Device placement and loss scaling are off: the optimizer state stays on the host, next to the optimizer copies.
+    """
+
+    def __init__(self, optimizer: LaggedOptimizer) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+
+    def step(self, closure=None):
+        super().step(closure)
+        if self.gradient_state.sync_gradients:
+            # The wrapped optimizer's own step runs later, on the optimizer thread. torch's LR scheduler checks on
+            # the caller's thread, right after this call, that it ran (else it warns "lr_scheduler.step() before
+            # optimizer.step()"); the step *is* scheduled, so say so.
+            self.optimizer.inner._opt_called = True

@@ -1,0 +1,72 @@
+"""`RoundPipePlugin`: RoundPipe's settings in the shape of accelerate's FSDP/DeepSpeed plugins.
+
+The plugin IS a `RoundPipeConfig` (same fields, help texts and `ROUNDPIPE_*` variables; `accelerate_roundpipe.config`
+stays the one module that reads their values). What it adds is the plugin-side checking: a misspelt `ROUNDPIPE_*`
+variable is an error rather than a silently ignored setting, and a bad value names where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+
+from ..config import ENV_PREFIX, RoundPipeConfig
+
+
+def known_variables() -> list[str]:
+    """Every `ROUNDPIPE_*` variable RoundPipe reads: one per `RoundPipeConfig` field, plus the aliases a field
+    declares in its `env_aliases` metadata."""
+    names = set()
+    for f in dataclasses.fields(RoundPipeConfig):
+        names.add(ENV_PREFIX + f.name.upper())
+        names.update(f.metadata.get("env_aliases", ()))
+    return sorted(names)
+
+
+def check_variable_names(environ: dict[str, str] | None = None) -> None:
+    """Raise on a `ROUNDPIPE_*` variable that no field reads (a typo would otherwise be ignored silently).
+
+    Only the names are looked at here; the values are read by `RoundPipeConfig`.
+    """
+    environ = os.environ if environ is None else environ
+    known = known_variables()
+    unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise ValueError(f"unknown RoundPipe environment variable(s): {', '.join(hints)}. RoundPipe reads only "
+                     f"{', '.join(known)}; rename or unset the others.")
+
+
+@dataclass(kw_only=True)
+class RoundPipePlugin(RoundPipeConfig):
+    """RoundPipe settings for `RoundPipeAccelerator(roundpipe_plugin=...)` and the launchers.
+
+    Fields, help texts, defaults and `ROUNDPIPE_<FIELD>` variables are those of `RoundPipeConfig` (see its `Args:`;
+    e.g. `devices`, `num_microbatches`, `async_optimizer`, `param_dtype`). `None` means "not said": the environment
+    variable is used when set, else the documented default. An explicit argument beats the environment.
+
+    Example::
+
+        plugin = RoundPipePlugin(devices=["cuda:0", "cuda:1"], num_microbatches=8)
+        accelerator = RoundPipeAccelerator(roundpipe_plugin=plugin, gradient_accumulation_steps=4)
+    """
+
+    def __post_init__(self) -> None:
+        check_variable_names()
+        try:
+            super().__post_init__()
+        except (ValueError, RuntimeError, TypeError) as error:
+            raise ValueError(f"invalid RoundPipe setting: {error} (settings come from RoundPipePlugin(...) "
+                             f"arguments, --roundpipe_* training arguments, the `roundpipe:` section of the accelerate "
+                             f"config, or ROUNDPIPE_* environment variables)") from error
+
+    def to_config(self) -> RoundPipeConfig:
+        """A plain `RoundPipeConfig` with the same (already resolved) values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RoundPipeConfig)}
+        return RoundPipeConfig(**values)

@@ -1,0 +1,182 @@
+"""`RoundPipeTrainer`: `transformers.Trainer` on RoundPipe.
+
+What changes under the Trainer's loop, and nothing else:
+- the accelerator is a `RoundPipeAccelerator`: `prepare` puts the model on RoundPipe (weights in host memory, never
+  moved to a GPU, never wrapped in `DataParallel`) and re-points the optimizer the Trainer built (fused CPU AdamW by
+  default) to the engine's optimizer copies, stepped lagged on the optimizer thread;
+- `training_step` is one fused pipelined `forward_backward` per batch, its gradients committed with the scale the
+  Trainer would have given `backward` (custom `compute_loss`/`compute_loss_func`/label smoothing go through the
+  model's patched forward instead, exact too);
+- the gradient norm: with `max_grad_norm > 0` it is this step's, exact (the clip synchronizes); without clipping
+  it is measured on the optimizer thread and logged one step late ([Note: late grad norm]);
+- checkpoints flush the lagged step first (through the patched `save_pretrained` and the optimizer's
+  `state_dict`), and weights loaded into the model later (resume, best model) refresh the optimizer copies.
+
+A single process drives every device, so batch sizes are per step, not per GPU (`n_gpu` is at most 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ..models import CausalLMRoundPipe
+from .accelerator import ONE_PROCESS, RoundPipeAccelerator
+from .checkpoint import load_optimizer_copies, refresh_optimizer_copies, save_optimizer_copies
+from .convert import engine_of
+from .grad_norm import LateGradNorm
+from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
+
+logger = logging.getLogger(__name__)
+
+
+def check_training_args(args) -> None:
+    """Refuse settings that assume one process per GPU or move/cast the model; turn off HF checkpointing."""
+    refused = {
+        "fsdp": "RoundPipe replaces FSDP",
+        "deepspeed": "RoundPipe replaces DeepSpeed",
+        "parallelism_config": "RoundPipe replaces tensor/context parallelism",
+        "torch_compile": "the engine runs each layer on its own workers, outside the compiled graph",
+        "fp16": "fp16 needs loss scaling, which the lagged optimizer does not do; use bf16 or roundpipe_param_dtype",
+        "fp16_full_eval": "it casts the model in place; use roundpipe_param_dtype",
+        "bf16_full_eval": "it casts the model in place; use roundpipe_param_dtype",
+    }
+    for name, why in refused.items():
+        if getattr(args, name, None):
+            raise ValueError(f"`{name}` is set, but it cannot be used with RoundPipe: {why}. Unset `{name}`.")
+    if args.world_size > 1:
+        raise ValueError(f"this run has {args.world_size} processes (world_size). {ONE_PROCESS}")
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, False):
+            logger.warning("Setting `%s=False`: RoundPipe recomputes activations itself (see ROUNDPIPE_RECOMPUTE).",
+                           name)
+            setattr(args, name, False)
+    # One process drives every GPU: no DataParallel, and `train_batch_size` is not multiplied by the GPU count.
+    args._n_gpu = min(args.n_gpu, 1)
+
+
+class RoundPipeTrainer(Trainer):
+    """`transformers.Trainer` whose model runs on RoundPipe. Takes the same arguments; `args` may be any
+    `TrainingArguments` (RoundPipe settings then come from `ROUNDPIPE_*`) or a `RoundPipeTrainingArguments`."""
+
+    def __init__(self, model=None, args=None, *more, **kwargs) -> None:
+        if args is None:
+            args = RoundPipeTrainingArguments(output_dir="tmp_trainer")
+        check_training_args(args)
+        self.roundpipe_plugin = plugin_from_training_args(args)
+        self._late_grad_norm: LateGradNorm | None = None
+        super().__init__(model, args, *more, **kwargs)
+
+    @property
+    def roundpipe_engine(self):
+        """The engine behind `self.model` (created when training or evaluation first prepares the model)."""
+        return engine_of(self.model)
+
+    # ------------------------------------------------------------------ placement
+
+    def create_accelerator_and_postprocess(self) -> None:
+        import transformers.trainer as trainer_module
+
+        # The base class builds `Accelerator(**kwargs)` from its module namespace; swap in ours for that one call
+        # rather than copying the version-specific set-up code.
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = functools.partial(RoundPipeAccelerator, roundpipe_plugin=self.roundpipe_plugin)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = original
+
+    def _move_model_to_device(self, model, device) -> None:
+        pass  # the weights live in RoundPipe's host store; the engine moves what the devices need
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return model  # never DataParallel: the engine drives every device from this process
+
+    def _prepare_input(self, data: Any) -> Any:
+        """Batches stay in host memory; the engine uploads micro-batches to its workers."""
+        if isinstance(data, Mapping):
+            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
+        if isinstance(data, (tuple, list)):
+            return type(data)(self._prepare_input(v) for v in data)
+        if isinstance(data, torch.Tensor):
+            return data.cpu()
+        return data
+
+    # ------------------------------------------------------------------ training step
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        engine = self.roundpipe_engine
+        accepts_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled_for_ga is None:
+            scaled_for_ga = accepts_items or self.compute_loss_func is not None
+        # What `Trainer.training_step` would multiply the loss's gradient by before `backward`.
+        scale = 1.0 if scaled_for_ga else 1.0 / self.current_gradient_accumulation_steps
+        if not self._runs_fused_step(engine, inputs):
+            if engine is not None:
+                engine.expected_grad_scale = scale  # [Note: deferred gradient commit]
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        batch = dict(self._prepare_inputs(inputs))
+        if accepts_items:
+            batch["num_items_in_batch"] = num_items_in_batch.cpu() if torch.is_tensor(num_items_in_batch) \
+                else num_items_in_batch
+        loss = engine.forward_backward(**batch, grad_scale=scale)
+        return (loss * scale).detach().to(self.args.device)
+
+    def _runs_fused_step(self, engine, inputs) -> bool:
+        """The model's own loss with nothing custom around it: one `forward_backward` computes all of it."""
+        return (isinstance(engine, CausalLMRoundPipe) and "labels" in inputs
+                and type(self).compute_loss is Trainer.compute_loss
+                and self.compute_loss_func is None and self.label_smoother is None)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is not None:
+            return grad_norm  # from clipping: this step's norm, exact
+        engine = self.roundpipe_engine
+        lagged = getattr(self.optimizer, "optimizer", None)
+        if engine is None or lagged is None or getattr(lagged, "inner", None) is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if self._late_grad_norm is None or self._late_grad_norm.optimizer is not lagged:
+            if self._late_grad_norm is not None:
+                self._late_grad_norm.close()
+            self._late_grad_norm = LateGradNorm(engine, lagged)
+        self._late_grad_norm.before_step(self.state.global_step)
+        return self._late_grad_norm.norm_of(self.state.global_step - 1)  # [Note: late grad norm]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)  # the optimizer's state_dict() flushes the lagged step
+        engine = self.roundpipe_engine
+        if engine is not None and self.args.should_save:
+            save_optimizer_copies(engine, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        engine = self.roundpipe_engine
+        if checkpoint is not None and engine is not None:
+            load_optimizer_copies(engine, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        engine = self.roundpipe_engine
+        if engine is not None:
+            engine.synchronize()
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if engine is not None:
+            refresh_optimizer_copies(engine)
+
+    def _load_best_model(self) -> None:
+        engine = self.roundpipe_engine
+        if engine is not None:
+            engine.synchronize()
+        super()._load_best_model()
+        if engine is not None:
+            refresh_optimizer_copies(engine)

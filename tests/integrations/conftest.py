@@ -1,0 +1,27 @@
+"""Unit tests of `accelerate_roundpipe.integrations`: in-process, CPU workers, one intra-op thread."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def one_intra_op_thread():
+    """Each CPU worker is a thread; extra intra-op threads only contend for the cores (and slow CI down)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -1,0 +1,94 @@
+"""`RoundPipeAccelerator.prepare` and friends: what comes back, where it lives, and the small promises."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from integration_unit_helpers import CPU_WORKERS, lm_batch, tiny_llama, twin
+from torch.utils.data import DataLoader, TensorDataset
+
+from accelerate_roundpipe import RoundPipe, RoundPipeAccelerator, RoundPipePlugin
+
+
+def make_accelerator(**kwargs) -> RoundPipeAccelerator:
+    plugin = kwargs.pop("plugin", {})
+    return RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(**{**CPU_WORKERS, **plugin}), **kwargs)
+
+
+def test_hf_model_comes_back_as_itself_with_batches_on_the_host():
+    model = tiny_llama()
+    accelerator = make_accelerator(gradient_accumulation_steps=4)
+    loader = DataLoader(TensorDataset(torch.arange(8).view(4, 2)), batch_size=2)
+    optimizer, prepared, loader = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1), model, loader)
+    assert prepared is model and type(model).__name__ == "LlamaForCausalLM"  # optimizer first: still fine
+    assert accelerator.device == torch.device("cpu")
+    assert all(batch[0].device.type == "cpu" for batch in loader)
+    engine = accelerator.roundpipe_engine(model)
+    assert engine.expected_grad_scale == 0.25  # backward divides by the 4 accumulation steps
+    assert accelerator.unwrap_model(model) is model
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    engine.close()
+
+
+def test_sequential_becomes_the_engine():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = twin(layers)
+    accelerator = make_accelerator()
+    model, optimizer = accelerator.prepare(layers, torch.optim.SGD(layers.parameters(), lr=0.1))
+    assert isinstance(model, RoundPipe) and accelerator.prepare(layers) is model  # converted once
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))  # forward pipeline + backward pipeline
+    optimizer.step()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    reference_optimizer.step()
+    unwrapped = accelerator.unwrap_model(model)
+    assert unwrapped is layers
+    for (name, p), q in zip(unwrapped.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    model.close()
+
+
+def test_bf16_mixed_precision_becomes_bfloat16_compute_copies():
+    accelerator = make_accelerator(mixed_precision="bf16")
+    assert accelerator.roundpipe_plugin.param_dtype == torch.bfloat16 and accelerator.native_amp is False
+    model = tiny_llama()
+    model = accelerator.prepare(model)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in accelerator.roundpipe_engine(model).parameters()} == {torch.float32}
+    accelerator.roundpipe_engine(model).close()
+
+
+def test_short_last_batch_runs_with_fewer_microbatches(caplog):
+    """[Note: short batches]: an explicit micro-batch count above a batch's rows is lowered for that batch only."""
+    model = tiny_llama()
+    reference = twin(model)
+    accelerator = make_accelerator(plugin={"num_microbatches": 4})
+    model = accelerator.prepare(model)
+    engine = accelerator.roundpipe_engine(model)
+    model.train()
+    batch = lm_batch(rows=3)
+    with caplog.at_level(logging.WARNING):
+        loss = model(**batch).loss
+        model(**lm_batch(rows=2)).loss.backward()
+    assert "shorter than num_microbatches=4" in caplog.text and caplog.text.count("Shown once") == 1
+    assert engine.config.num_microbatches == 4
+    torch.testing.assert_close(loss, reference(**batch).loss.detach(), atol=1e-5, rtol=0)
+    engine.close()
+
+
+def test_model_zero_grad_clears_the_engine_gradients():
+    model = tiny_llama()
+    accelerator = make_accelerator()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    engine = accelerator.roundpipe_engine(model)
+    model.train()
+    accelerator.backward(model(**lm_batch()).loss)
+    engine.synchronize()
+    assert any(p.grad is not None for p in engine.parameters())
+    model.zero_grad()  # as transformers.Trainer clears gradients
+    engine.synchronize()
+    assert all(p.grad is None for p in engine.parameters())
+    engine.close()
