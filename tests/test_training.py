@@ -80,7 +80,9 @@ def test_async_differs_from_sync():
 
 
 def test_lr_scheduler_and_optimizer_state_dict_round_trip():
-    model = tied_model()
+    """Stop after 3 steps, resume in a new engine (weights, optimizer, scheduler, engine RNG state): the next 3
+    steps give what an uninterrupted run gives, dropout masks included."""
+    model = tied_model(dropout=0.3)
     batches = [batch(rows=8, seed=30 + k) for k in range(6)]
 
     def train(engine, optimizer, scheduler, items):
@@ -101,6 +103,7 @@ def test_lr_scheduler_and_optimizer_state_dict_round_trip():
     weights = {k: v.clone() for k, v in engine.state_dict().items()}  # synchronizes
     opt_state = copy.deepcopy(optimizer.state_dict())
     sched_state = scheduler.state_dict()
+    engine_state = engine.engine_state()
     assert opt_state["state"] and opt_state["param_groups"][0]["lr"] == pytest.approx(5e-3)
     train(engine, optimizer, scheduler, batches[3:])
     engine.synchronize()
@@ -108,6 +111,7 @@ def test_lr_scheduler_and_optimizer_state_dict_round_trip():
 
     resumed, optimizer2, scheduler2 = build(copy.deepcopy(model))
     resumed.load_state_dict(weights)
+    resumed.load_engine_state(engine_state)
     optimizer2.load_state_dict(opt_state)
     scheduler2.load_state_dict(sched_state)
     train(resumed, optimizer2, scheduler2, batches[3:])
@@ -154,4 +158,17 @@ def test_any_torch_optimizer_and_fused_adamw_by_default():
     sgd.step()
     engine.synchronize()
     assert sgd.state_dict()["state"], "the wrapped SGD kept momentum state"
+    engine.close()
+
+
+def test_load_optimizer_copies_keeps_full_precision():
+    model = tied_model().float()
+    engine = RoundPipe(model, RoundPipeConfig(devices=["cpu"], param_dtype="bfloat16"))
+    exact = {n: torch.randn_like(p) for n, p in engine.named_parameters()}
+    engine.load_optimizer_copies(exact)
+    for name, p in engine.named_parameters():
+        assert torch.equal(p.detach(), exact[name])  # not rounded through bfloat16
+        assert torch.equal(dict(engine.module.named_parameters())[name], exact[name].bfloat16())
+    x, mask, y = batch(rows=4)
+    engine.forward_backward(x.bfloat16(), mask, labels=y, loss_fn=nn.functional.cross_entropy)  # no false alarm
     engine.close()

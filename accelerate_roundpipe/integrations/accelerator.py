@@ -25,7 +25,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
 
 from ..runtime import RoundPipe
-from .checkpoint import EngineWeights, detached_state_dict, load_optimizer_copies, save_optimizer_copies
+from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .convert import convert_model, engine_of
 from .grad_norm import clip_grad_norm, clip_grad_value
 from .optimizer import RoundPipeAcceleratedOptimizer, repoint_optimizer
@@ -175,7 +175,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         for index, model in enumerate(self._models):
             engine = engine_of(model)
             if engine is not None:
-                save_optimizer_copies(engine, location, suffix=f"_{index}" if index else "")
+                save_engine_extras(engine, location, suffix=f"_{index}" if index else "")
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
@@ -185,7 +185,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         for index, model in enumerate(self._models):
             engine = engine_of(model)
             if engine is not None and self._roundpipe_load_dir is not None:
-                load_optimizer_copies(engine, self._roundpipe_load_dir, suffix=f"_{index}" if index else "")
+                load_engine_extras(engine, self._roundpipe_load_dir, suffix=f"_{index}" if index else "")
 
     def _remember_load_dir(self, models, input_dir: str) -> None:
         self._roundpipe_load_dir = input_dir

@@ -9,12 +9,15 @@ Three things differ from a plain model:
   `engine.load_state_dict`, which also refreshes the optimizer copies.
 - With a low-precision compute copy (e.g. `param_dtype=bfloat16`), the saved model weights are rounded; the fp32
   optimizer copies are saved beside them (`OPTIMIZER_COPIES_FILE`) so a resume continues from the exact values.
+- The engine's RNG streams (dropout masks) and dispatch position are saved too (`ENGINE_STATE_FILE`), so a resumed
+  run draws the same masks as an uninterrupted one.
 
 Every function synchronizes the engine first: the lagged step is flushed before anything is read or written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 
@@ -23,6 +26,7 @@ import torch
 from ..runtime import RoundPipe
 
 OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
+ENGINE_STATE_FILE = "roundpipe_engine_state{suffix}.json"
 
 
 def detached_state_dict(engine: RoundPipe) -> OrderedDict[str, torch.Tensor]:
@@ -59,37 +63,31 @@ def has_low_precision_compute(engine: RoundPipe) -> bool:
     return False
 
 
-def save_optimizer_copies(engine: RoundPipe, directory: str, suffix: str = "") -> str | None:
-    """Write the trainable optimizer copies when the model weights alone would lose precision."""
+def save_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> None:
+    """Write what an exact resume needs beyond weights and optimizer state: the engine's RNG/dispatch state, and
+    the trainable optimizer copies when the model weights alone would lose precision."""
+    engine.synchronize()
+    with open(os.path.join(directory, ENGINE_STATE_FILE.format(suffix=suffix)), "w") as f:
+        json.dump(engine.engine_state(), f)
     if not has_low_precision_compute(engine):
-        return None
+        return
     from safetensors.torch import save_file
 
-    engine.synchronize()
     tensors = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
+    save_file(tensors, os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix)))
+
+
+def load_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> None:
+    """Restore what `save_engine_extras` wrote (each part only if present)."""
+    state_path = os.path.join(directory, ENGINE_STATE_FILE.format(suffix=suffix))
+    if os.path.isfile(state_path):
+        with open(state_path) as f:
+            engine.load_engine_state(json.load(f))
     path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
-    save_file(tensors, path)
-    return path
+    if os.path.isfile(path):
+        from safetensors.torch import load_file
 
-
-def load_optimizer_copies(engine: RoundPipe, directory: str, suffix: str = "") -> bool:
-    """Restore the optimizer copies saved by `save_optimizer_copies` (and the compute copies from them)."""
-    path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
-    if not os.path.isfile(path):
-        return False
-    if engine.optimizer is None:
-        raise RuntimeError("restore RoundPipe optimizer copies after the optimizer is prepared (the engine checks that "
-                           "only its optimizer writes them).")
-    from safetensors.torch import load_file
-
-    tensors = load_file(path)
-    engine.synchronize()
-    with torch.no_grad():
-        for name, p in engine.named_parameters():
-            if p.requires_grad and name in tensors:
-                p.copy_(tensors[name])
-        engine.module.load_state_dict(tensors, strict=False)  # the compute copies, rounded from the same values
-    return True
+        engine.load_optimizer_copies(load_file(path))
 
 
 def refresh_optimizer_copies(engine: RoundPipe) -> None:

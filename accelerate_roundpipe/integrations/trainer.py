@@ -27,7 +27,7 @@ from transformers import Trainer
 
 from ..models import CausalLMRoundPipe
 from .accelerator import ONE_PROCESS, RoundPipeAccelerator
-from .checkpoint import load_optimizer_copies, refresh_optimizer_copies, save_optimizer_copies
+from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .convert import engine_of
 from .grad_norm import LateGradNorm
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
@@ -157,13 +157,13 @@ class RoundPipeTrainer(Trainer):
         super()._save_optimizer_and_scheduler(output_dir)  # the optimizer's state_dict() flushes the lagged step
         engine = self.roundpipe_engine
         if engine is not None and self.args.should_save:
-            save_optimizer_copies(engine, output_dir)
+            save_engine_extras(engine, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         engine = self.roundpipe_engine
         if checkpoint is not None and engine is not None:
-            load_optimizer_copies(engine, checkpoint)
+            load_engine_extras(engine, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         engine = self.roundpipe_engine

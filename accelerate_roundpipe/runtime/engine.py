@@ -314,6 +314,31 @@ class RoundPipe(nn.Module):
         self.synchronize()
         return self.trace.save(path)
 
+    def engine_state(self) -> dict[str, int]:
+        """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
+        count of the per-layer RNG streams (dropout masks) and where the round-robin dispatch stands."""
+        return {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._next_device}
+
+    def load_engine_state(self, state: dict[str, int]) -> None:
+        self.synchronize()
+        self._seed = int(state["seed"])
+        self._num_passes = int(state["num_passes"])
+        self._next_device = int(state["next_device"]) % len(self.devices)
+        for worker in self._workers or []:
+            worker.base_seed = self._seed
+
+    def load_optimizer_copies(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load full-precision weights (named as in `named_parameters()`) into the optimizer copies, and the
+        compute copies from them: unlike `load_state_dict`, nothing is rounded through the compute dtype."""
+        self.synchronize()
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.requires_grad and name in tensors:
+                    p.copy_(tensors[name])
+            for bucket in self._store.trainable_buckets:
+                bucket.compute.copy_(bucket.optim)
+                bucket.optim_version_seen = bucket.optim._version
+
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
         return self._schedule(num_microbatches, Mode(mode))

@@ -73,13 +73,14 @@ def test_save_state_load_state_round_trip_with_bfloat16_compute_copies(tmp_path)
     engine.close()
 
 
-def test_float32_checkpoints_hold_no_extra_file(tmp_path):
+def test_float32_checkpoints_hold_no_optimizer_copies(tmp_path):
     accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(**CPU_WORKERS))
     model = tiny_llama(tie_word_embeddings=True)  # accelerate saves the tied weight once, and loads it back
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _train_steps(accelerator, model, optimizer, [0])
     saved = accelerator.save_state(str(tmp_path / "checkpoint"))
-    assert not any(name.startswith("roundpipe_") for name in os.listdir(saved))
+    # Only the engine's RNG/dispatch state: float32 model weights are exact, so no optimizer copies are written.
+    assert [name for name in os.listdir(saved) if name.startswith("roundpipe_")] == ["roundpipe_engine_state.json"]
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     _train_steps(accelerator, model, optimizer, [1])
     accelerator.load_state(saved)
