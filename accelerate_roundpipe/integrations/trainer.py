@@ -26,6 +26,7 @@ import torch
 from transformers import Trainer
 
 from ..models import CausalLMRoundPipe
+from ..telemetry.metrics import MetricsWindow, training_flops_per_token
 from .accelerator import ONE_PROCESS, RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .convert import engine_of
@@ -70,6 +71,7 @@ class RoundPipeTrainer(Trainer):
         check_training_args(args)
         self.roundpipe_plugin = plugin_from_training_args(args)
         self._late_grad_norm: LateGradNorm | None = None
+        self._metrics: MetricsWindow | None = None
         super().__init__(model, args, *more, **kwargs)
 
     @property
@@ -106,6 +108,20 @@ class RoundPipeTrainer(Trainer):
         if isinstance(data, torch.Tensor):
             return data.cpu()
         return data
+
+    # ------------------------------------------------------------------ live metrics
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Training logs gain `roundpipe/tokens_per_s`, `roundpipe/host_rss_gib` and, with a GPU,
+        `roundpipe/gpu_peak_gib`, measured since the previous training log (added here, before the Trainer hands
+        the logs to its history and reporters)."""
+        engine = self.roundpipe_engine
+        if engine is not None and "loss" in logs:
+            if self._metrics is None or self._metrics.engine is not engine:
+                self._metrics = MetricsWindow(engine, training_flops_per_token(engine))
+            else:
+                logs = {**logs, **self._metrics.sample()}
+        super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ training step
 

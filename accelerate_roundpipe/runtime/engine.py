@@ -17,6 +17,7 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task, build_schedule
+from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
 from .device import Device, Payload
 from .host_store import HostStore
@@ -115,6 +116,7 @@ class RoundPipe(nn.Module):
         self._inflight: list[Future] = []
         self._schedules: dict[int, list[Task]] = {}
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
+        self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
 
@@ -173,6 +175,7 @@ class RoundPipe(nn.Module):
         self._before_pass()
         inputs = _tensor_tuple(inputs, "forward_backward inputs")
         rows, num_mb, mb_inputs = self._split(inputs)
+        self.counters.count(inputs[0])
         mb_labels = split_rows(_tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
         mb_rows = [x[0].shape[0] for x in mb_inputs]
         shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]

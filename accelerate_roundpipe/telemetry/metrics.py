@@ -1,0 +1,73 @@
+"""Live metrics: tokens/s, MFU, GPU peak memory and host memory, logged by a Trainer callback.
+
+The engine counts the tokens (rows x sequence positions of the first input) and the passes it ran; the callback turns
+the counts between two logging steps into rates and adds them to the Trainer's logs (so they reach the console,
+TensorBoard, W&B, ...) under `roundpipe/...` keys.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class EngineCounters:
+    tokens: int = 0
+    passes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def count(self, first_input: torch.Tensor) -> None:
+        self.tokens += first_input.shape[0] * (first_input.shape[1] if first_input.dim() > 1 else 1)
+        self.passes += 1
+
+
+def host_rss_gib() -> float:
+    """Resident memory of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def gpu_peak_gib(devices) -> float:
+    cuda = sorted({d.device.index or 0 for d in devices if d.is_cuda})
+    return max((torch.cuda.max_memory_allocated(i) / 2**30 for i in cuda), default=0.0)
+
+
+class MetricsWindow:
+    """Rates between two calls of `sample()`."""
+
+    def __init__(self, engine, flops_per_token: float | None = None, peak_flops: float | None = None) -> None:
+        self.engine = engine
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._tokens = engine.counters.tokens
+        self._time = time.perf_counter()
+
+    def sample(self) -> dict[str, float]:
+        now, tokens = time.perf_counter(), self.engine.counters.tokens
+        elapsed = max(now - self._time, 1e-9)
+        rate = (tokens - self._tokens) / elapsed
+        self._tokens, self._time = tokens, now
+        metrics = {"roundpipe/tokens_per_s": round(rate, 1), "roundpipe/host_rss_gib": round(host_rss_gib(), 2)}
+        if any(d.is_cuda for d in self.engine.devices):
+            metrics["roundpipe/gpu_peak_gib"] = round(gpu_peak_gib(self.engine.devices), 2)
+        if self.flops_per_token and self.peak_flops:
+            metrics["roundpipe/mfu"] = round(rate * self.flops_per_token / self.peak_flops, 4)
+        return metrics
+
+
+def training_flops_per_token(engine) -> float:
+    """8 x trainable parameters (forward, recomputation and a backward of twice the forward) plus 4 x frozen ones
+    (recomputation-free LoRA bases still run forward, recompute and input-gradient passes): a coarse MFU basis."""
+    trainable = sum(p.numel() for p in engine.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in engine.parameters() if not p.requires_grad)
+    return 8.0 * trainable + 6.0 * frozen
