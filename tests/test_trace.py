@@ -38,3 +38,43 @@ def test_no_recorder_when_off():
     engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"]))
     assert engine.trace is None
     engine.close()
+
+
+def test_report_measured_and_simulated_bubble_and_png(tmp_path):
+    import pytest
+
+    from accelerate_roundpipe.telemetry.report import load_task_spans, main, measured_bubble, simulated_bubble
+
+    path = tmp_path / "trace.json"
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * 2, num_microbatches=4, trace_path=str(path)))
+    tasks = []
+    for k in range(3):
+        tasks += engine.schedule(4)
+        x, mask, y = batch(rows=8, seed=k)
+        engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.close()
+    spans = load_task_spans(str(path))
+    assert [s.task for s in spans if s.track.startswith("d0")] == [t for t in tasks if t.device_index == 0]
+    assert 0.0 <= measured_bubble(spans) < 1.0 and 0.0 <= simulated_bubble(spans, 2) < 1.0
+    pytest.importorskip("matplotlib")
+    report = main([str(path), "--png", str(tmp_path / "gantt.png")])
+    assert (tmp_path / "gantt.png").stat().st_size > 1000 and report["tasks"] == len(tasks)
+
+
+def test_report_on_a_hand_made_trace(tmp_path):
+    """Two devices, unit-cost tasks of one micro-batch, and a 1-unit stall on d1: exact bubbles."""
+    from accelerate_roundpipe.plan import build_schedule, plan_partition
+    from accelerate_roundpipe.telemetry.report import load_task_spans, measured_bubble, simulated_bubble
+
+    tasks = build_schedule(plan_partition(2, backward_stages=[1, 1], forward_stages=[1]), 1, 1, 2)
+    assert [str(t) for t in tasks] == ["F0:L0-0:r0:m0-0@d0", "FB1:L1-1:r0:m0-0@d1", "B0:L0-0:r0:m0-0@d0"]
+    starts = [0.0, 2.0, 3.0]  # FB waits one unit longer than its input needs (a stall)
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": f"d{d}(cpu) host"}}
+              for d in (0, 1)]
+    events += [{"ph": "X", "name": str(t), "pid": 0, "tid": t.device_index, "ts": s * 1e6, "dur": 1e6}
+               for t, s in zip(tasks, starts)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans = load_task_spans(str(path))
+    assert measured_bubble(spans) == 1 - 3 / (4 * 2)  # 3 busy units in a 4-unit window on 2 devices
+    assert simulated_bubble(spans, 2) == 1 - 3 / (3 * 2)  # the replay has no stall: a 3-unit chain

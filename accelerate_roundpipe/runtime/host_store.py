@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .sync import ReadWriteOrder, Sequencer
 
 _ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
+PROGRESS_MIN_PARAMS = 200_000_000  # models this large show a progress bar while the host store is built
 
 
 def _align(n: int) -> int:
@@ -105,9 +107,16 @@ class HostStore:
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
         order = sorted(groups, key=lambda k: (min(k[0]), k[0], not k[1], str(k[2])))
+        total = sum(p.numel() for p in params.values())
+        # Pinning a multi-GB model takes a while: show it (tqdm hides itself when not on a terminal-like stream).
+        progress = tqdm(total=total, unit="param", unit_scale=True, desc="RoundPipe: host store",
+                        disable=total < PROGRESS_MIN_PARAMS, leave=False)
         for layer_ids, trainable, dtype in order:
+            members = groups[(layer_ids, trainable, dtype)]
             self.buckets.append(self._make_bucket(len(self.buckets), layer_ids, trainable, dtype, optimizer_dtype,
-                                                  groups[(layer_ids, trainable, dtype)], names))
+                                                  members, names))
+            progress.update(sum(p.numel() for p in members))
+        progress.close()
 
         self.layer_bindings: list[list[Binding]] = []
         self.layer_buckets: list[list[int]] = []

@@ -1,0 +1,113 @@
+"""Read a timeline trace back: the measured bubble, the simulator's bubble for the same tasks and measured costs,
+and a PNG Gantt chart.
+
+    python -m accelerate_roundpipe.telemetry.report trace.json [--png gantt.png] [--seconds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..plan.schedule import Task
+from ..plan.simulate import simulate
+
+
+@dataclass(frozen=True)
+class TaskSpan:
+    track: str  # e.g. "d0(cuda:0) compute"
+    task: Task
+    start: float  # seconds
+    end: float
+
+
+def load_task_spans(path: str) -> list[TaskSpan]:
+    """The task spans of a trace: GPU compute spans when the trace has them, else the workers' host spans."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    kind = "compute" if any(n.endswith(" compute") for n in names.values()) else "host"
+    spans = []
+    for e in events:
+        if e.get("ph") == "X" and names[e["tid"]].endswith(" " + kind):
+            spans.append(TaskSpan(names[e["tid"]], Task.from_str(e["name"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+    return sorted(spans, key=lambda s: s.start)
+
+
+def measured_bubble(spans: Sequence[TaskSpan]) -> float:
+    """Idle share of the devices between the first task's start and the last task's end."""
+    if not spans:
+        return 0.0
+    window = max(s.end for s in spans) - min(s.start for s in spans)
+    tracks = {s.track for s in spans}
+    busy = 0.0
+    for track in tracks:
+        last_end = float("-inf")
+        for s in sorted((s for s in spans if s.track == track), key=lambda s: s.start):
+            busy += max(0.0, s.end - max(s.start, last_end))
+            last_end = max(last_end, s.end)
+    return 1.0 - busy / (window * len(tracks)) if window > 0 else 0.0
+
+
+def simulated_bubble(spans: Sequence[TaskSpan], num_devices: int) -> float:
+    """The simulator's bubble for the same tasks in the same order, each micro-batch costing its measured share."""
+    tasks, costs, offset, seen_rounds = [], {}, 0, set()
+    for s in spans:
+        task = s.task
+        if task.kind.value in ("F", "FB") and task.span.start == 0 and (offset + task.round_index) in seen_rounds:
+            offset = max(seen_rounds) + 1  # a new pass: its rounds are chains of their own
+        task = task._replace(round_index=offset + task.round_index)
+        seen_rounds.add(task.round_index)
+        tasks.append(task)
+        costs[len(tasks) - 1] = (s.end - s.start) / len(range(*task.microbatches))
+    index = {id(t): i for i, t in enumerate(tasks)}
+    return simulate(tasks, num_devices, lambda t, mb: costs[index[id(t)]]).bubble_ratio
+
+
+def gantt_png(spans: Sequence[TaskSpan], path: str, seconds: float | None = None) -> str:
+    """A Gantt chart of the task spans (F blue, FB red, B green); `seconds` limits it to the last N seconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if seconds is not None and spans:
+        cut = max(s.end for s in spans) - seconds
+        spans = [s for s in spans if s.end >= cut]
+    origin = min(s.start for s in spans)
+    tracks = sorted({s.track for s in spans})
+    colours = {"F": "#4C72B0", "FB": "#C44E52", "B": "#55A868"}
+    fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(tracks)))
+    for row, track in enumerate(tracks):
+        for s in (s for s in spans if s.track == track):
+            ax.barh(row, s.end - s.start, left=s.start - origin, color=colours[s.task.kind.value], edgecolor="white",
+                    linewidth=0.3)
+    ax.set_yticks(range(len(tracks)), tracks)
+    ax.set_xlabel("seconds")
+    ax.set_title("RoundPipe timeline (F: forward, FB: fused, B: backward)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace")
+    parser.add_argument("--png", default=None)
+    parser.add_argument("--seconds", type=float, default=None, help="chart only the last N seconds")
+    args = parser.parse_args(argv)
+    spans = load_task_spans(args.trace)
+    num_devices = len({s.track for s in spans})
+    report = {"measured_bubble": round(measured_bubble(spans), 4),
+              "simulated_bubble": round(simulated_bubble(spans, num_devices), 4), "tasks": len(spans)}
+    print(json.dumps(report))
+    if args.png:
+        gantt_png(spans, args.png, args.seconds)
+    return report
+
+
+if __name__ == "__main__":
+    main()
