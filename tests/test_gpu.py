@@ -125,3 +125,19 @@ def test_cuda_forward_pipeline_and_timing_report():
     print(f"\n[report] {depth}x Linear({width}) fp32, batch {rows}, 4 micro-batches, 1 GPU: "
           f"{elapsed * 1e3:.1f} ms/iteration (engine core, no transfer engine yet)")
     engine.close()
+
+
+def test_cuda_trace_has_compute_and_copy_streams(tmp_path):
+    import json
+
+    path = tmp_path / "trace.json"
+    engine = RoundPipe(tied_model().float(), RoundPipeConfig(devices=["cuda:0", "cuda:0"], num_microbatches=4,
+                                                             trace_path=str(path)))
+    x, mask, y = batch(rows=8)
+    engine.forward_backward(x.float(), mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.close()
+    trace = json.loads(path.read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    for suffix in ("compute", "parameter upload", "activation upload", "activation download", "gradient download"):
+        assert f"d0(cuda:0) {suffix}" in tracks, (suffix, sorted(tracks))
+    assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")

@@ -69,6 +69,7 @@ class Device:
         self.is_cuda = device.type == "cuda"
         self._rng_lock = _rng_lock(device)
         self.compute_stream = self.act_in = self.act_out = self.param_in = self.grad_out = None
+        self.trace = None  # a TraceRecorder: copies then get spans on their own stream's track
 
     def __str__(self) -> str:
         return f"d{self.index}({self.device})"
@@ -90,13 +91,29 @@ class Device:
 
     # -------------------------------------------------------------- host -> device
 
-    def _upload(self, tensors, stream, after_event=None) -> tuple[list, object]:
+    def _traced(self, stream, track: str, tensors):
+        """(start, finish) callables bracketing a copy on `stream` with trace events (no-ops when not tracing)."""
+        if self.trace is None:
+            return (lambda: None), (lambda: None)
+        start, end = self.trace.cuda_events(self.device, stream)
+        size = sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
+
+        def finish() -> None:
+            end.record(stream)
+            self.trace.add_cuda_span(f"{self} {track}", f"{size:.1f} MiB", self.device, start, end)
+
+        return (lambda: start.record(stream)), finish
+
+    def _upload(self, tensors, stream, after_event=None, track: str = "upload") -> tuple[list, object]:
         if not self.is_cuda:
             return [None if t is None else t.clone() for t in tensors], None
         with torch.cuda.stream(stream):
             if after_event is not None:
                 stream.wait_event(after_event)
+            begin, finish = self._traced(stream, track, tensors)
+            begin()
             out = [None if t is None else t.to(self.device, non_blocking=True) for t in tensors]
+            finish()
             return out, stream.record_event()
 
     def _use(self, tensors, event) -> None:
@@ -112,7 +129,7 @@ class Device:
         """Start copying host compute copies to the device; returns the device tensors and the copy's event
         (None on the CPU: the copy is already done). Call `use_params` before computing with them."""
         faults.point("transfer.upload")
-        return self._upload(flats, self.param_in)
+        return self._upload(flats, self.param_in, track="parameter upload")
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
@@ -126,17 +143,19 @@ class Device:
             out, _ = self._upload(payload.host(), None)
             return tuple(out)
         event, payload.event = payload.event, None
-        out, ready = self._upload(payload.tensors, self.act_in, after_event=event)
+        out, ready = self._upload(payload.tensors, self.act_in, after_event=event, track="activation upload")
         self._use(out, ready)
         return tuple(out)
 
     # -------------------------------------------------------------- device -> host
 
-    def _download(self, tensors, stream) -> tuple[tuple, object]:
+    def _download(self, tensors, stream, track: str = "download") -> tuple[tuple, object]:
         if not self.is_cuda:
             return tuple(None if t is None else t.detach().clone() for t in tensors), None
         stream.wait_stream(self.compute_stream)
         with torch.cuda.stream(stream):
+            begin, finish = self._traced(stream, track, tensors)
+            begin()
             out = []
             for t in tensors:
                 if t is None:
@@ -144,6 +163,7 @@ class Device:
                     continue
                 out.append(t.detach().to("cpu", non_blocking=True))
                 t.record_stream(stream)
+            finish()
             return tuple(out), stream.record_event()
 
     def send(self, tensors: tuple, keep_on_device: bool) -> Payload:
@@ -151,12 +171,12 @@ class Device:
         if keep_on_device:
             return Payload(tuple(None if t is None else t.detach() for t in tensors), None, self.index)
         faults.point("transfer.download")
-        host, event = self._download(tensors, self.act_out)
+        host, event = self._download(tensors, self.act_out, track="activation download")
         return Payload(host, event)
 
     def download_grads(self, grads: list[torch.Tensor]) -> Payload:
         faults.point("transfer.download")
-        host, event = self._download(grads, self.grad_out)
+        host, event = self._download(grads, self.grad_out, track="gradient download")
         return Payload(host, event)
 
     def synchronize(self) -> None:

@@ -95,6 +95,7 @@ class Worker:
                  base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
         self.device = device
         self.trace = trace
+        device.trace = trace
         self.num_devices = num_devices
         self.store = store
         self.failure = failure
