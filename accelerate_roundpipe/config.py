@@ -90,6 +90,8 @@ class RoundPipeConfig:
         trace_path (`str`, env `ROUNDPIPE_TRACE_PATH` or `ROUNDPIPE_TRACE`): write a Chrome/Perfetto timeline of
             every worker, commit thread, the optimizer and the caller here (at `close()` or `save_trace()`).
             Default: no recording.
+        peak_tflops (`float`, env `ROUNDPIPE_PEAK_TFLOPS`): the peak dense TFLOP/s of one device, for the MFU in
+            training logs. Default: unknown (no MFU logged).
     """
 
     devices: list[str] | None = field(default=None, metadata={
@@ -119,6 +121,8 @@ class RoundPipeConfig:
     trace_path: str | None = field(default=None, metadata={
         "help": "Write a Chrome/Perfetto timeline trace here (env ROUNDPIPE_TRACE also works). Default: off.",
         "env_aliases": ("ROUNDPIPE_TRACE",)})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "Peak dense TFLOP/s of one device, for the MFU in training logs. Default: unknown (no MFU)."})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -162,6 +166,8 @@ class RoundPipeConfig:
             self.seed = int(self.seed)
         if self.wait_timeout_s is not None:
             self.wait_timeout_s = float(self.wait_timeout_s)
+        if self.peak_tflops is not None:
+            self.peak_tflops = float(self.peak_tflops)
 
     # Resolved values: what the engine actually uses.
     def resolved_devices(self) -> list[torch.device]:

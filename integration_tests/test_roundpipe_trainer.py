@@ -158,13 +158,16 @@ def test_evaluate_before_training(data, tmp_path):
     close(ours)
 
 
-def test_live_metrics_reach_the_logs(data, tmp_path):
+def test_live_metrics_reach_the_logs(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_PEAK_TFLOPS", "1.0")
+    monkeypatch.setenv("ROUNDPIPE_TRACE", str(tmp_path / "trace.json"))
     trainer = roundpipe_trainer(data, str(tmp_path), max_steps=6, logging_steps=2)
     trainer.train()
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     rated = [entry for entry in entries if "roundpipe/tokens_per_s" in entry]
     assert len(rated) == len(entries) - 1  # every log after the first carries the rates since the previous one
     assert all(entry["roundpipe/tokens_per_s"] > 0 and entry["roundpipe/host_rss_gib"] > 0 for entry in rated)
+    assert all(0 < entry["roundpipe/mfu"] < 1 and 0 <= entry["roundpipe/bubble"] < 1 for entry in rated)
     engine = trainer.roundpipe_engine
     assert engine.counters.tokens == 6 * 4 * 32 and engine.counters.passes == 6  # steps x rows x block size
     close(trainer)

@@ -112,13 +112,15 @@ class RoundPipeTrainer(Trainer):
     # ------------------------------------------------------------------ live metrics
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Training logs gain `roundpipe/tokens_per_s`, `roundpipe/host_rss_gib` and, with a GPU,
-        `roundpipe/gpu_peak_gib`, measured since the previous training log (added here, before the Trainer hands
-        the logs to its history and reporters)."""
+        """Training logs gain `roundpipe/tokens_per_s`, `roundpipe/host_rss_gib`, with a GPU `roundpipe/gpu_peak_gib`,
+        with `peak_tflops` `roundpipe/mfu` and with a trace `roundpipe/bubble`, measured since the previous log
+        (added here, before the Trainer hands the logs to its history and reporters)."""
         engine = self.roundpipe_engine
         if engine is not None and "loss" in logs:
             if self._metrics is None or self._metrics.engine is not engine:
-                self._metrics = MetricsWindow(engine, training_flops_per_token(engine))
+                peak = engine.config.peak_tflops
+                self._metrics = MetricsWindow(engine, training_flops_per_token(engine),
+                                              peak * 1e12 * len(engine.devices) if peak else None)
             else:
                 logs = {**logs, **self._metrics.sample()}
         super().log(logs, *args, **kwargs)

@@ -54,7 +54,7 @@ class MetricsWindow:
 
     def sample(self) -> dict[str, float]:
         now, tokens = time.perf_counter(), self.engine.counters.tokens
-        elapsed = max(now - self._time, 1e-9)
+        since, elapsed = self._time, max(now - self._time, 1e-9)
         rate = (tokens - self._tokens) / elapsed
         self._tokens, self._time = tokens, now
         metrics = {"roundpipe/tokens_per_s": round(rate, 1), "roundpipe/host_rss_gib": round(host_rss_gib(), 2)}
@@ -62,7 +62,17 @@ class MetricsWindow:
             metrics["roundpipe/gpu_peak_gib"] = round(gpu_peak_gib(self.engine.devices), 2)
         if self.flops_per_token and self.peak_flops:
             metrics["roundpipe/mfu"] = round(rate * self.flops_per_token / self.peak_flops, 4)
+        if self.engine.trace is not None:
+            metrics["roundpipe/bubble"] = round(self._measured_bubble(since), 4)
         return metrics
+
+    def _measured_bubble(self, since: float) -> float:
+        """Idle share of the devices' task spans (GPU compute, else worker host) recorded since `since`."""
+        from .report import measured_bubble
+
+        spans = [s for s in self.engine.trace.spans() if s.start >= since]
+        kind = " compute" if any(s.track.endswith(" compute") for s in spans) else " host"
+        return measured_bubble([s for s in spans if s.track.endswith(kind)])
 
 
 def training_flops_per_token(engine) -> float:
