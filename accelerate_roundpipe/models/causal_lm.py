@@ -24,7 +24,7 @@ from .split import DEFAULT_LOSS_CHUNK_TOKENS, DecoderSplit, split_causal_lm
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
-                       "cache_position", "logits_to_keep", "num_logits_to_keep")
+                       "logits_to_keep", "num_logits_to_keep")
 _IGNORED = ("use_cache", "return_dict", "token_type_ids")
 
 
@@ -79,6 +79,15 @@ class CausalLMRoundPipe(RoundPipe):
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         known = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "num_items_in_batch")
         out = {k: batch.pop(k) for k in known if k in batch}
+        cache_position = batch.pop("cache_position", None)
+        if cache_position is not None:
+            # generate() in transformers 4.x passes the positions of the whole sequence even without a cache: fine,
+            # that is what the pipeline computes; anything else would need a KV cache.
+            tokens = out.get("input_ids", out.get("inputs_embeds"))
+            length = tokens.shape[1] if tokens is not None else -1
+            if not torch.equal(cache_position.cpu(), torch.arange(length)):
+                raise ValueError("`cache_position` other than 0..seq_len-1 needs a KV cache, which the RoundPipe "
+                                 "engine does not keep; leave it unset (generate() works with use_cache=False).")
         for key in _IGNORED:
             batch.pop(key, None)
         for key in _IGNORED_WHEN_FALSY:
