@@ -188,3 +188,18 @@ def test_gpu_out_of_memory_names_the_knobs():
     with faults.injected(hook), pytest.raises(torch.cuda.OutOfMemoryError, match="ROUNDPIPE_NUM_MICROBATCHES") as info:
         fb(engine)
     assert "recompute='layer'" in str(info.value) and "Tried to allocate" in str(info.value)
+
+
+def test_short_batches_can_be_allowed_with_one_warning(caplog):
+    import logging
+
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4))
+    engine.allow_short_batches = True
+    x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
+    reference = nn.functional.cross_entropy(small()(x), y)
+    with caplog.at_level(logging.WARNING):
+        loss = engine.forward_backward(x, labels=y, loss_fn=nn.functional.cross_entropy)
+        engine.forward_backward(x[:2], labels=y[:2], loss_fn=nn.functional.cross_entropy)
+    assert torch.allclose(loss, reference) and caplog.text.count("Shown once") == 1
+    assert engine.config.num_microbatches == 4
+    engine.close()

@@ -6,6 +6,7 @@ makes the results independent of thread timing. Call the engine from one thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
 
 _KEEP_SCHEDULES = 4
+logger = logging.getLogger(__name__)
 
 
 def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -111,6 +113,9 @@ class RoundPipe(nn.Module):
         self._optimizer_box: list[Any] = [None, None]
         self._pending: DeferredCommit | None = None
         self.expected_grad_scale = 1.0  # the scale a deferred loss's backward is expected to bring
+        # [Note: short batches] in integrations/short_batches.py: stock loops keep an epoch's short last batch.
+        self.allow_short_batches = False
+        self._warned_short_batch = False
         self._next_device = 0
         self._num_passes = 0
         self._inflight: list[Future] = []
@@ -386,7 +391,13 @@ class RoundPipe(nn.Module):
                 raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
                                  f"{[tuple(x.shape) for x in inputs]}.")
         requested = self.config.num_microbatches
-        if requested is not None and rows < requested and strict:
+        if requested is not None and rows < requested and strict and self.allow_short_batches:
+            if not self._warned_short_batch:
+                logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
+                               "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
+                               rows, requested, rows)
+                self._warned_short_batch = True
+        elif requested is not None and rows < requested and strict:
             raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
                              f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} or "
                              f"use a batch of at least {requested} rows.")
