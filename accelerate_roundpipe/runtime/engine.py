@@ -10,6 +10,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,22 +40,27 @@ def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
     return tuple(values)
 
 
-def _stop_threads(workers: list[Worker] | None, optimizer_box: list, join_timeout_s: float = 10.0) -> None:
-    """Stop and join the engine's threads (also at interpreter exit: a thread killed inside a torch op aborts).
-    `optimizer_box` holds the lagged optimizer and the host-ops executor (either may be None)."""
-    threads = []
-    for worker in workers or []:
-        worker.stop()
-        threads.extend(worker.threads)
-    for owner in optimizer_box:
-        if owner is None:
-            continue
-        executor = owner.thread if isinstance(owner, LaggedOptimizer) else owner
-        executor.stop()
-        threads.append(executor.thread)
-    for thread in threads:
-        if thread is not threading.current_thread() and thread.ident is not None:
-            thread.join(join_timeout_s)
+@dataclass
+class _Background:
+    """The engine's threads, held apart from it so that a finalizer can stop them without keeping it alive."""
+
+    workers: list[Worker] | None = None
+    optimizer: LaggedOptimizer | None = None
+    host_ops: SerialExecutor | None = None  # resolves deferred commits ([Note: deferred gradient commit])
+
+    def stop(self, join_timeout_s: float = 10.0) -> None:
+        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts)."""
+        threads = []
+        for worker in self.workers or []:
+            worker.stop()
+            threads.extend(worker.threads)
+        for executor in (self.optimizer.thread if self.optimizer is not None else None, self.host_ops):
+            if executor is not None:
+                executor.stop()
+                threads.append(executor.thread)
+        for thread in threads:
+            if thread is not threading.current_thread() and thread.ident is not None:
+                thread.join(join_timeout_s)
 
 
 def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
@@ -108,9 +114,7 @@ class RoundPipe(nn.Module):
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
-        self._workers: list[Worker] | None = None
-        # [lagged optimizer, host-ops executor], both created on first use.
-        self._optimizer_box: list[Any] = [None, None]
+        self._background = _Background()  # worker, optimizer and host-ops threads, started on first use
         self._pending: DeferredCommit | None = None
         self.expected_grad_scale = 1.0  # the scale a deferred loss's backward is expected to bring
         # [Note: short batches] in integrations/short_batches.py: stock loops keep an epoch's short last batch.
@@ -140,7 +144,7 @@ class RoundPipe(nn.Module):
 
     @property
     def optimizer(self) -> LaggedOptimizer | None:
-        return self._optimizer_box[0]
+        return self._background.optimizer
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> LaggedOptimizer:
         """Step `optimizer` (built over `self.parameters()`) lagged, on a background thread; returns the wrapper to
@@ -151,7 +155,7 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.synchronize()
             self.optimizer.close()
-        self._optimizer_box[0] = LaggedOptimizer(optimizer, self._store, self._failure,
+        self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
                                                  self.config.resolved_async_optimizer,
                                                  before_grad_use=_weak_call(self.drop_pending_gradients),
                                                  trace=self.trace)
@@ -218,11 +222,11 @@ class RoundPipe(nn.Module):
         if self._pending is deferred:
             self._pending = None
         ratio = None if scale is None else scale / deferred.expected_scale
-        if self._optimizer_box[1] is None:
-            self._optimizer_box[1] = SerialExecutor(self._failure, "roundpipe-host-ops")
+        if self._background.host_ops is None:
+            self._background.host_ops = SerialExecutor(self._failure, "roundpipe-host-ops")
         for bucket in self._store.trainable_buckets:
             ticket = bucket.grads.reserve()
-            self._optimizer_box[1].submit(self._resolve_job(deferred, bucket, ticket, ratio))
+            self._background.host_ops.submit(self._resolve_job(deferred, bucket, ticket, ratio))
 
     def _resolve_job(self, deferred: DeferredCommit, bucket, ticket: int, ratio: float | None):
         def resolve_bucket() -> None:
@@ -296,8 +300,8 @@ class RoundPipe(nn.Module):
         for done in self._inflight:
             done.get(self._failure)
         self._inflight.clear()
-        if self._optimizer_box[1] is not None:
-            self._optimizer_box[1].wait_idle()
+        if self._background.host_ops is not None:
+            self._background.host_ops.wait_idle()
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self._failure.check()
@@ -311,7 +315,7 @@ class RoundPipe(nn.Module):
                     self.synchronize()
             finally:
                 self._failure.close()
-                _stop_threads(self._workers, self._optimizer_box)
+                self._background.stop()
                 if self.trace is not None:
                     self.trace.save()
 
@@ -332,7 +336,7 @@ class RoundPipe(nn.Module):
         self._seed = int(state["seed"])
         self._num_passes = int(state["num_passes"])
         self._next_device = int(state["next_device"]) % len(self.devices)
-        for worker in self._workers or []:
+        for worker in self._background.workers or []:
             worker.base_seed = self._seed
 
     def load_optimizer_copies(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -371,13 +375,14 @@ class RoundPipe(nn.Module):
                         "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
                         "optimizer also writes the compute copies the devices use.")
-        if self._workers is None:
-            self._workers = [Worker(d, self._store, self._failure, self.config.resolved_recompute, self._seed,
-                                    len(self.devices), self.trace) for d in self.devices]
-            for worker in self._workers:
+        if self._background.workers is None:
+            self._background.workers = [
+                Worker(d, self._store, self._failure, self.config.resolved_recompute, self._seed, len(self.devices),
+                       self.trace) for d in self.devices]
+            for worker in self._background.workers:
                 worker.schedules = self._schedules
                 worker.start()
-            weakref.finalize(self, _stop_threads, self._workers, self._optimizer_box)
+            weakref.finalize(self, self._background.stop)
         self._inflight = [f for f in self._inflight if not f.done]
 
     def _split(self, inputs: tuple[torch.Tensor, ...], strict: bool = True) -> tuple[int, int, list[tuple]]:
@@ -435,7 +440,7 @@ class RoundPipe(nn.Module):
             previous[task.round_index] = outputs
             jobs.append(job)
             self._inflight.append(job.done)
-            self._workers[task.device_index].queue.put(job)
+            self._background.workers[task.device_index].queue.put(job)
         state.outputs = [f for r in sorted(previous) for f in previous[r]]
         self._next_device = (tasks[-1].device_index + 1) % len(self.devices)
         return jobs
