@@ -12,6 +12,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
+def restore_environment():
+    """One test's environment variables (ours, or ones libraries write, e.g. transformers 4.x `TrainingArguments`
+    setting ACCELERATE_USE_FSDP) never leak into the next."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def one_intra_op_thread():
     """Each CPU worker is a thread; on a 2-core CI machine more intra-op threads only add contention (10x slower).
     Plain and RoundPipe runs use the same setting, so their numerics stay comparable."""

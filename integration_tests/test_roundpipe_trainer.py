@@ -107,9 +107,13 @@ def test_grad_norm_without_clipping_is_logged_one_step_late(data, tmp_path):
     ours = roundpipe_trainer(data, str(tmp_path / "rp"), max_grad_norm=0.0, max_steps=6)
     ours.train()
     norms = logged(ours, "grad_norm")
-    assert norms[0] is None
-    assert_close_lists(norms[1:], logged(reference, "grad_norm")[:-1], "late gradient norms", 1e-4)
+    reference_norms = logged(reference, "grad_norm")
     assert_close_lists(logged(ours), logged(reference), "losses")
+    if all(norm is None for norm in reference_norms):  # transformers 4.x logs no norm when it does not clip
+        close(ours)
+        return
+    assert norms[0] is None
+    assert_close_lists(norms[1:], reference_norms[:-1], "late gradient norms", 1e-4)
     close(ours)
 
 
