@@ -78,3 +78,20 @@ def test_report_on_a_hand_made_trace(tmp_path):
     spans = load_task_spans(str(path))
     assert measured_bubble(spans) == 1 - 3 / (4 * 2)  # 3 busy units in a 4-unit window on 2 devices
     assert simulated_bubble(spans, 2) == 1 - 3 / (3 * 2)  # the replay has no stall: a 3-unit chain
+
+
+def test_profile_from_a_trace_feeds_the_simulator(tmp_path):
+    from accelerate_roundpipe.plan.simulate_cli import main as simulate_main
+    from accelerate_roundpipe.telemetry.report import load_task_spans, main
+
+    path = tmp_path / "trace.json"
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * 2, num_microbatches=4, trace_path=str(path)))
+    x, mask, y = batch(rows=8)
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.close()
+    main([str(path), "--profile-out", str(tmp_path / "profile.json")])
+    costs = json.loads((tmp_path / "profile.json").read_text())["forward"]
+    assert len(costs) == len(engine.layers) and all(c > 0 for c in costs)
+    assert len(load_task_spans(str(path))) == len(engine.schedule(4))
+    result = simulate_main(["--profile", str(tmp_path / "profile.json"), "--devices", "2", "--microbatches", "4"])
+    assert 0 <= result["roundpipe_async"] <= result["roundpipe_sync"] < 1

@@ -1,7 +1,7 @@
 """Read a timeline trace back: the measured bubble, the simulator's bubble for the same tasks and measured costs,
 and a PNG Gantt chart.
 
-    python -m accelerate_roundpipe.telemetry.report trace.json [--png gantt.png] [--seconds 3]
+    python -m accelerate_roundpipe.telemetry.report trace.json [--png gantt.png] [--seconds 3] [--profile-out p.json]
 """
 
 from __future__ import annotations
@@ -66,6 +66,22 @@ def simulated_bubble(spans: Sequence[TaskSpan], num_devices: int) -> float:
     return simulate(tasks, num_devices, lambda t, mb: costs[index[id(t)]]).bubble_ratio
 
 
+def layer_profile(spans: Sequence[TaskSpan], backward_ratio: float = 3.0) -> list[float]:
+    """Per-layer forward cost (seconds per micro-batch) measured from a trace, for `accelerate-roundpipe simulate
+    --profile`: each task's time per micro-batch spread evenly over its layers, backward and fused tasks divided by
+    `backward_ratio`; a layer's cost is the median over the tasks that ran it."""
+    samples: dict[int, list[float]] = {}
+    for s in spans:
+        per_mb = (s.end - s.start) / len(range(*s.task.microbatches))
+        factor = 1.0 if s.task.kind.value == "F" else backward_ratio
+        for layer in s.task.span.layers:
+            samples.setdefault(layer, []).append(per_mb / len(s.task.span) / factor)
+    if not samples:
+        return []
+    layers = range(max(samples) + 1)
+    return [sorted(samples[i])[len(samples[i]) // 2] if i in samples else 0.0 for i in layers]
+
+
 def gantt_png(spans: Sequence[TaskSpan], path: str, seconds: float | None = None) -> str:
     """A Gantt chart of the task spans (F blue, FB red, B green); `seconds` limits it to the last N seconds."""
     import matplotlib
@@ -98,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("trace")
     parser.add_argument("--png", default=None)
     parser.add_argument("--seconds", type=float, default=None, help="chart only the last N seconds")
+    parser.add_argument("--profile-out", default=None,
+                        help="write per-layer costs measured from the trace (for `accelerate-roundpipe simulate "
+                             "--profile`)")
     args = parser.parse_args(argv)
     spans = load_task_spans(args.trace)
     num_devices = len({s.track for s in spans})
@@ -106,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print(json.dumps(report))
     if args.png:
         gantt_png(spans, args.png, args.seconds)
+    if args.profile_out:
+        with open(args.profile_out, "w") as f:
+            json.dump({"forward": layer_profile(spans)}, f)
     return report
 
 
