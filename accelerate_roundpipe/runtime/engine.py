@@ -21,9 +21,10 @@ from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task, build_schedule
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
+from .deferred import DeferredCommit, DeferredLoss, resolve_job
 from .device import Device, Payload
 from .host_store import HostStore
-from .jobs import DeferredCommit, PassState, TaskJob, split_rows
+from .jobs import PassState, TaskJob, split_rows
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
@@ -206,7 +207,7 @@ class RoundPipe(nn.Module):
         if not deferred:
             return total
         self._pending = state.deferred
-        return _DeferredLoss.apply(self, state.deferred, torch.empty(0, requires_grad=True), total)
+        return DeferredLoss.apply(self, state.deferred, torch.empty(0, requires_grad=True), total)
 
     def drop_pending_gradients(self) -> None:
         """Drop the gradients of a deferred pass whose loss was never back-propagated."""
@@ -226,26 +227,7 @@ class RoundPipe(nn.Module):
             self._background.host_ops = SerialExecutor(self._failure, "roundpipe-host-ops")
         for bucket in self._store.trainable_buckets:
             ticket = bucket.grads.reserve()
-            self._background.host_ops.submit(self._resolve_job(deferred, bucket, ticket, ratio))
-
-    def _resolve_job(self, deferred: DeferredCommit, bucket, ticket: int, ratio: float | None):
-        def resolve_bucket() -> None:
-            bucket.grads.begin(ticket, self._failure, f"gradients of {bucket} for a deferred commit")
-            try:
-                owned = deferred.owned.get(bucket.index)
-                if owned is None:
-                    return  # the pass left no gradient in this bucket
-                if owned and ratio is None:
-                    bucket.grad_valid = False
-                    bucket.detach_grads()
-                elif owned and ratio != 1.0:
-                    bucket.grad.mul_(ratio)
-                elif not owned and ratio is not None:
-                    bucket.grad.add_(bucket.pending, alpha=ratio)
-            finally:
-                bucket.grads.end(ticket)
-
-        return resolve_bucket
+            self._background.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self._failure))
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
@@ -476,21 +458,6 @@ class RoundPipe(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
                            ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
-
-
-class _DeferredLoss(torch.autograd.Function):
-    """The loss of a deferred fused pass: its backward commits the pass's gradients scaled by the incoming
-    gradient ([Note: deferred gradient commit])."""
-
-    @staticmethod
-    def forward(ctx, engine: RoundPipe, deferred: DeferredCommit, anchor: torch.Tensor, loss: torch.Tensor):
-        ctx.engine, ctx.deferred = engine, deferred
-        return loss.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.engine._resolve(ctx.deferred, float(grad))
-        return None, None, None, None
 
 
 class _PipelineBackward(torch.autograd.Function):

@@ -9,30 +9,10 @@ from typing import Any
 import torch
 
 from ..plan.schedule import Mode, Task
+from .deferred import DeferredCommit
 from .sync import Future
 
 HostTuple = tuple  # tuple of host tensors (None for "no gradient")
-
-
-@dataclass(eq=False)
-class DeferredCommit:
-    """Gradients of one fused pass, committed once the loss's backward says by how much to scale them.
-
-    [Note: deferred gradient commit]
-    A stock loop calls `loss = model(**batch).loss; (loss * c).backward()`. The fused pass already ran the backward
-    with the scale `expected_scale` (c0); the loss's autograd node then resolves it with the real c:
-    - a bucket whose gradient buffer was empty when the pass first committed to it was written directly ("owned"):
-      nothing more to do when c == c0, one in-place multiply by c/c0 otherwise, invalidated if dropped;
-    - a bucket that already held gradients (accumulation) got the pass's gradients in `bucket.pending`, added
-      with the factor c/c0 at resolution, discarded if dropped.
-    A pass never resolved is dropped at the next pass, `optimizer.step()` or `zero_grad()`. Resolution runs as
-    ticketed gradient operations, so it is ordered after the pass's commits and before anything reserved later.
-    """
-
-    expected_scale: float
-    owned: dict[int, bool] = field(default_factory=dict)  # bucket -> committed straight into the empty grad buffer
-    pending_started: set[int] = field(default_factory=set)
-    resolved: bool = False
 
 
 @dataclass(eq=False)

@@ -17,6 +17,7 @@ import torch
 from ..plan.schedule import Task, TaskKind, format_schedule
 from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
+from .deferred import route_commit
 from .device import Device, Payload, stream_seed
 from .host_store import HostStore
 from .jobs import TaskJob
@@ -54,20 +55,6 @@ def _backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
 
 def _input_grads(inputs: tuple) -> tuple:
     return tuple(t.grad if t.requires_grad else None for t in inputs)
-
-
-def _commit_deferred(deferred, bucket, grad: torch.Tensor) -> torch.Tensor | None:
-    """Route a deferred pass's gradients ([Note: deferred gradient commit]); returns what to commit directly."""
-    if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
-        return grad
-    if bucket.index in deferred.pending_started:
-        bucket.pending.add_(grad)
-    else:
-        if bucket.pending is None:
-            bucket.pending = torch.empty_like(bucket.grad)
-        bucket.pending.copy_(grad)
-        deferred.pending_started.add(bucket.index)
-    return None
 
 
 def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
@@ -258,7 +245,7 @@ class Worker:
             try:
                 faults.point("commit")
                 if grad is not None and job.state.deferred is not None:
-                    grad = _commit_deferred(job.state.deferred, bucket, grad)
+                    grad = route_commit(job.state.deferred, bucket, grad)
                 if grad is not None:
                     if bucket.grad_valid:
                         bucket.grad.add_(grad)
