@@ -20,7 +20,7 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
 from .router_aux import batch_router_aux_loss
-from .split import DEFAULT_LOSS_CHUNK_TOKENS, DecoderSplit, split_causal_lm
+from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
@@ -56,10 +56,6 @@ class CausalLMRoundPipe(RoundPipe):
         model.forward = self._hf_forward
         model.generate = functools.partial(self._generate, type(model).generate.__get__(model))
         model.save_pretrained = self._save_pretrained
-
-    @property
-    def decoder_split(self) -> DecoderSplit:
-        return self.split
 
     # ------------------------------------------------------------------ engine API with HF batches
 
