@@ -57,11 +57,14 @@ def test_any_function_of_the_loss():
     engine.close()
 
 
+def two_batches_and_their_grads(model):
+    first, second = batch(rows=7, seed=1), batch(rows=5, seed=2)
+    return first, second, reference_loss_and_grads(model, *first)[1], reference_loss_and_grads(model, *second)[1]
+
+
 def test_accumulation_uses_the_pending_buffer():
     model = tied_model()
-    first, second = batch(rows=7, seed=1), batch(rows=5, seed=2)
-    _, g1 = reference_loss_and_grads(model, *first)
-    _, g2 = reference_loss_and_grads(model, *second)
+    first, second, g1, g2 = two_batches_and_their_grads(model)
     engine = make_engine(model)
     engine.expected_grad_scale = 0.5
     (fb(engine, first) / 2).backward()
@@ -73,9 +76,7 @@ def test_accumulation_uses_the_pending_buffer():
 
 def test_never_committed_gradients_are_dropped():
     model = tied_model()
-    first, second = batch(rows=7, seed=1), batch(rows=5, seed=2)
-    _, g1 = reference_loss_and_grads(model, *first)
-    _, g2 = reference_loss_and_grads(model, *second)
+    first, second, g1, g2 = two_batches_and_their_grads(model)
     engine = make_engine(model)
     fb(engine, first)  # never back-propagated: dropped by the next pass (the buffer was empty: owned path)
     fb(engine, second).backward()

@@ -179,10 +179,6 @@ class Device:
         host, event = self._download(grads, self.grad_out, track="gradient download")
         return Payload(host, event)
 
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
     @contextlib.contextmanager
     def rng(self, seed: int) -> Iterator[None]:
         if self.is_cuda:

@@ -250,13 +250,13 @@ class RoundPipe(nn.Module):
                                 "so use forward_backward(...) for a layer that returns the loss.")
             outputs.append(torch.cat([p[k] for p in pieces], dim=0))
         if keep_for_backward:
-            epochs = [b.reads._writes_reserved for b in self._store.buckets]
+            epochs = [b.reads.reserved_writes for b in self._store.buckets]
             outputs = list(_PipelineBackward.apply(self, state, epochs, torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _backward_pass(self, state: PassState, epochs: list[int], grads: tuple) -> None:
         self._failure.check()
-        if any(b.reads._writes_reserved != e for b, e in zip(self._store.buckets, epochs)):
+        if any(b.reads.reserved_writes != e for b, e in zip(self._store.buckets, epochs)):
             raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() or "
                                "synchronize() ran in between), so the recomputation would differ from the forward. "
                                "Call backward before stepping the optimizer.")

@@ -143,6 +143,11 @@ class ReadWriteOrder:
         """Writes completed so far."""
         return self._writes_done
 
+    @property
+    def reserved_writes(self) -> int:
+        """Writes reserved so far: the version a read reserved now will see."""
+        return self._writes_reserved
+
     def reserve_read(self) -> int:
         with self._cond:
             epoch = self._writes_reserved

@@ -276,10 +276,10 @@ class Worker:
     def _forward(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
         flats, upload = self._params(job, with_grad=False)
+        self._bind(task.span.layers, flats)  # no graph here, so one binding serves every micro-batch
         for j, mb in enumerate(range(*task.microbatches)):
             h = self.device.receive(job.inputs[j].take(self.failure))
             with torch.no_grad():
-                self._bind(task.span.layers, flats)
                 for layer in task.span.layers:
                     if layer in state.saved_layers:
                         state.saved[(layer, mb)] = self.device.send(h, keep_on_device=False)
