@@ -54,6 +54,20 @@ def _int_list(value: Any, name: str) -> list[int] | None:
     return out
 
 
+def _gib(value: Any, name: str) -> float:
+    """GiB from a number or a string such as '24', '24GiB', '24 GB' (GB taken as GiB: budgets are approximate)."""
+    text = str(value).strip().lower().replace(" ", "")
+    for unit in ("gib", "gb", "g"):
+        text = text.removesuffix(unit)
+    try:
+        gib = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a memory size; use GiB, e.g. 24 or '24GiB'.") from None
+    if gib <= 0:
+        raise ValueError(f"{name}={value!r} must be positive.")
+    return gib
+
+
 @dataclass(kw_only=True)
 class RoundPipeConfig:
     """Configuration of a RoundPipe engine.
@@ -92,6 +106,10 @@ class RoundPipeConfig:
             Default: no recording.
         peak_tflops (`float`, env `ROUNDPIPE_PEAK_TFLOPS`): the peak dense TFLOP/s of one device, for the MFU in
             training logs. Default: unknown (no MFU logged).
+        gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
+            the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
+            host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
+            host copy path, as on a GPU).
     """
 
     devices: list[str] | None = field(default=None, metadata={
@@ -123,6 +141,8 @@ class RoundPipeConfig:
         "env_aliases": ("ROUNDPIPE_TRACE",)})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "Peak dense TFLOP/s of one device, for the MFU in training logs. Default: unknown (no MFU)."})
+    gpu_memory_budget: float | str | None = field(default=None, metadata={
+        "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -168,6 +188,8 @@ class RoundPipeConfig:
             self.wait_timeout_s = float(self.wait_timeout_s)
         if self.peak_tflops is not None:
             self.peak_tflops = float(self.peak_tflops)
+        if self.gpu_memory_budget is not None:
+            self.gpu_memory_budget = _gib(self.gpu_memory_budget, env + "GPU_MEMORY_BUDGET")
 
     # Resolved values: what the engine actually uses.
     def resolved_devices(self) -> list[torch.device]:

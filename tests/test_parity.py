@@ -151,3 +151,33 @@ def test_frozen_parameters_get_no_gradient_or_optimizer_copy():
     frozen = [b for b in engine._store.buckets if not b.trainable]
     assert frozen and all(b.optim is None and b.grad is None for b in frozen)
     engine.close()
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layer"])
+@pytest.mark.parametrize("num_devices, expect_kept", [(1, True), (2, True), (3, False)])
+def test_saved_inputs_kept_on_the_reading_worker(monkeypatch, num_devices, expect_kept, recompute):
+    """[Note: saved inputs]: with a memory budget, inputs whose backward runs on the same worker stay there (no host
+    round trip), the others take the host path, and the gradients stay exact. Schedule F0 F1 FB B1 B0 dispatched
+    round-robin: on 2 devices each forward stage's reader is its own device, on 3 devices never."""
+    from accelerate_roundpipe.runtime.worker import Worker
+
+    kept: list[bool] = []
+    original = Worker._save_input
+
+    def spy(self, job, layer, mb, h):
+        original(self, job, layer, mb, h)
+        kept.append(job.state.saved[(layer, mb)].worker_index == self.device.index)
+
+    monkeypatch.setattr(Worker, "_save_input", spy)
+    model = tied_model(dropout=0.3)
+    x, mask, y = batch(rows=9)
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, mask, y, num_microbatches=3)
+    loss, grads = engine_loss_and_grads(model, x, mask, y, devices=["cpu"] * num_devices, num_microbatches=3,
+                                        recompute=recompute, gpu_memory_budget=1, **PARTITIONS["hand"])
+    check(loss, grads, ref_loss, ref_grads)
+    assert kept and all(k == expect_kept for k in kept)
+    kept.clear()
+    loss, grads = engine_loss_and_grads(model, x, mask, y, devices=["cpu"] * num_devices, num_microbatches=3,
+                                        recompute=recompute, **PARTITIONS["hand"])
+    check(loss, grads, ref_loss, ref_grads)
+    assert kept and not any(kept)  # no budget on CPU workers: the host path, as on a GPU

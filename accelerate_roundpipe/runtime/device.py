@@ -104,17 +104,25 @@ class Device:
 
         return (lambda: start.record(stream)), finish
 
-    def _upload(self, tensors, stream, after_event=None, track: str = "upload") -> tuple[list, object]:
+    def _upload(self, tensors, stream, after_event=None, track: str = "upload",
+                per_tensor_events: bool = False) -> tuple[list, object]:
+        """Copies of `tensors` on the device and the copy's event (a list of one event per tensor with
+        `per_tensor_events`, so a consumer can start on the first tensor while the others are still in flight)."""
         if not self.is_cuda:
-            return [None if t is None else t.clone() for t in tensors], None
+            out = [None if t is None else t.clone() for t in tensors]
+            return out, ([None] * len(out) if per_tensor_events else None)
         with torch.cuda.stream(stream):
             if after_event is not None:
                 stream.wait_event(after_event)
             begin, finish = self._traced(stream, track, tensors)
             begin()
-            out = [None if t is None else t.to(self.device, non_blocking=True) for t in tensors]
+            out, events = [], []
+            for t in tensors:
+                out.append(None if t is None else t.to(self.device, non_blocking=True))
+                if per_tensor_events:
+                    events.append(stream.record_event())
             finish()
-            return out, stream.record_event()
+            return out, (events if per_tensor_events else stream.record_event())
 
     def _use(self, tensors, event) -> None:
         """Make the compute stream wait for an upload and own its tensors."""
@@ -125,14 +133,23 @@ class Device:
             if t is not None:
                 t.record_stream(self.compute_stream)
 
-    def upload_params(self, flats: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
-        """Start copying host compute copies to the device; returns the device tensors and the copy's event
-        (None on the CPU: the copy is already done). Call `use_params` before computing with them."""
+    def upload_params(self, flats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Start copying host compute copies (one flat bucket each) to the device; returns the device tensors and
+        one copy event per bucket (None on the CPU: the copy is already done). Call `use_params` for a bucket
+        before computing with it: a task's first layer can start as soon as its own bucket has landed."""
         faults.point("transfer.upload")
-        return self._upload(flats, self.param_in, track="parameter upload")
+        return self._upload(flats, self.param_in, track="parameter upload", per_tensor_events=True)
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
+
+    def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
+        """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated
+        memory passing `limit_bytes`."""
+        if not self.is_cuda or limit_bytes <= 0:
+            return limit_bytes > 0 and not self.is_cuda
+        size = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return torch.cuda.memory_allocated(self.device) + size <= limit_bytes
 
     def receive(self, payload: Payload) -> tuple:
         """The payload's tensors on this device, ready for the compute stream."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..plan.partition import Partition, plan_partition
-from ..plan.schedule import Mode, Task, build_schedule
+from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
 from .deferred import DeferredCommit, DeferredLoss, resolve_job
@@ -30,6 +30,7 @@ from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
 
 _KEEP_SCHEDULES = 4
+SAVED_INPUT_SHARE = 0.5  # of the memory budget, for saved layer inputs kept on the device ([Note: saved inputs])
 logger = logging.getLogger(__name__)
 
 
@@ -126,6 +127,7 @@ class RoundPipe(nn.Module):
         self._inflight: list[Future] = []
         self._schedules: dict[int, list[Task]] = {}
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
+        self._keep_limit_bytes = self._saved_input_limit()
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
@@ -397,11 +399,36 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.optimizer.release_writebacks()
 
+    def _saved_input_limit(self) -> int:
+        """[Note: saved inputs]
+        The layer inputs a forward stage keeps for the backward's recomputation stay on the device when the task
+        that reads them runs on the same worker and the device's allocated memory stays under
+        `SAVED_INPUT_SHARE` of the memory budget; the rest takes the host round trip (download now, upload in the
+        backward). On one GPU with room this removes the largest PCIe traffic after the weights; under a tight
+        budget the inputs of the first layers stay, the others go to the host, and nothing changes in the maths."""
+        budget_gib = self.config.gpu_memory_budget
+        cuda = [d.device for d in self.devices if d.is_cuda]
+        if budget_gib is None and cuda:
+            budget_gib = min(torch.cuda.get_device_properties(d).total_memory for d in cuda) / 2**30
+        return int((budget_gib or 0) * 2**30 * SAVED_INPUT_SHARE)
+
+    def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
+        """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).
+        A forward-only pass (`model(...)`) does not know its backward schedule yet: with one device it is that one."""
+        if mode is Mode.TRAIN:
+            return {(t.round_index, layer): t.device_index for t in tasks if t.kind is not TaskKind.FORWARD
+                    for layer in t.span.layers}
+        if len(self.devices) == 1:
+            return {(t.round_index, layer): 0 for t in tasks for layer in t.span.layers}
+        return {}
+
     def _enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
         self._schedules[state.index] = tasks
         for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
             del self._schedules[old]
         store = self._store
+        reader = self._saved_input_readers(tasks, state.mode)
+        state.keep_limit_bytes = self._keep_limit_bytes
         previous: dict[int, list[Future]] = {}
         jobs = []
         for index, task in enumerate(tasks):
@@ -418,7 +445,9 @@ class RoundPipe(nn.Module):
                      if task.needs_grad and store.buckets[b].trainable]
             following = tasks[index + 1] if index + 1 < len(tasks) else None
             next_worker = following.device_index if following and following.round_index == task.round_index else None
-            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker)
+            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker,
+                          keep_saved=frozenset(layer for layer in task.span.layers
+                                               if reader.get((task.round_index, layer)) == task.device_index))
             previous[task.round_index] = outputs
             jobs.append(job)
             self._inflight.append(job.done)

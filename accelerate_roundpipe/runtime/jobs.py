@@ -31,6 +31,8 @@ class PassState:
     losses: list[Future] = field(default_factory=list)
     outputs: list[Future] = field(default_factory=list)  # what the pass's last task of each micro-batch gives
     deferred: DeferredCommit | None = None
+    # Saved layer inputs may stay on the device while its allocated memory is below this ([Note: saved inputs]).
+    keep_limit_bytes: int = 0
 
     @property
     def num_microbatches(self) -> int:
@@ -47,6 +49,7 @@ class TaskJob:
     grad_tickets: list[tuple[int, int]]  # (bucket, ticket) for every trainable bucket it commits gradients to
     schedule_index: int
     next_worker: int | None = None  # the worker of the next task of the round (None: the caller reads the result)
+    keep_saved: frozenset[int] = frozenset()  # layers whose saved input this worker's backward will read
     done: Future = field(default_factory=lambda: Future("a task to finish"))
 
 

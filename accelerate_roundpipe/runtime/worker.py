@@ -68,13 +68,25 @@ def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
     return explained
 
 
-class _ParamUpload:
-    """Parameters of one task in flight to the device, and the read tickets held until the copy completes."""
+class _TaskParams:
+    """Parameters of one task on the device.
 
-    __slots__ = ("flats", "event", "tickets")
+    `flats[b]` is bucket b's uploaded compute copy and `events[b]` its copy event, waited for on the compute stream
+    only when the first layer using the bucket runs (`pending`). For a task that computes gradients, every
+    trainable parameter is a leaf view of its flat whose `.grad` is preset to a view of a zeroed flat `grads[b]`:
+    autograd then accumulates each micro-batch's gradients in place into one flat buffer per bucket, ready to
+    download as is (views that require grad on a flat that requires grad would instead cost a full-size zero
+    tensor per parameter per backward). `tickets` are the read tickets held until the copies have read the host.
+    """
 
-    def __init__(self, flats: dict[int, torch.Tensor], event, tickets: list[tuple[int, int]]) -> None:
-        self.flats, self.event, self.tickets = flats, event, tickets
+    __slots__ = ("flats", "events", "pending", "tickets", "grads", "views")
+
+    def __init__(self, flats: dict[int, torch.Tensor], events: dict[int, object],
+                 tickets: list[tuple[int, int]]) -> None:
+        self.flats, self.events, self.tickets = flats, events, tickets
+        self.pending = {b for b, e in events.items() if e is not None}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.views: dict[int, list[torch.Tensor]] = {}
 
 
 class Worker:
@@ -157,7 +169,7 @@ class Worker:
             self.copies[layer_index] = copy
         return copy
 
-    def _start_upload(self, job: TaskJob, wait: bool) -> _ParamUpload | None:
+    def _start_upload(self, job: TaskJob, wait: bool) -> _TaskParams | None:
         """Issue the uploads of `job`'s parameters; without `wait`, only if every version it needs is ready."""
         buckets = self.store.buckets
         if not wait and not all(buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
@@ -167,43 +179,57 @@ class Worker:
             buckets[bucket_index].reads.begin_read(epoch, self.failure,
                                                    f"{buckets[bucket_index]} version {epoch} for {job.task}")
             hosts.append(buckets[bucket_index].compute)
-        flats, event = self.device.upload_params(hosts)
-        upload = _ParamUpload({b: f for (b, _), f in zip(job.read_tickets, flats)}, event, job.read_tickets)
-        if event is None:
-            self._release(upload)
-        return upload
+        flats, events = self.device.upload_params(hosts)
+        indices = [b for b, _ in job.read_tickets]
+        params = _TaskParams(dict(zip(indices, flats)), dict(zip(indices, events)), job.read_tickets)
+        if not params.pending:
+            self._release(params)
+        return params
 
-    def _release(self, upload: _ParamUpload) -> None:
-        """Release the read tickets once the copy has read the host buffers."""
-        if upload.event is not None:
-            upload.event.synchronize()
-            upload.event = None
-        for bucket_index, epoch in upload.tickets:
+    def _release(self, params: _TaskParams) -> None:
+        """Release the read tickets once the copies have read the host buffers (they run in order on one stream:
+        the last event covers them all)."""
+        last = next((e for e in reversed(list(params.events.values())) if e is not None), None)
+        if last is not None:
+            last.synchronize()
+        for bucket_index, epoch in params.tickets:
             self.store.buckets[bucket_index].reads.end_read(epoch)
-        upload.tickets = []
+        params.tickets = []
 
-    def _params(self, job: TaskJob, with_grad: bool) -> tuple[dict[int, torch.Tensor], _ParamUpload]:
-        upload = self._prefetched.pop(id(job), None) or self._start_upload(job, wait=True)
-        self.device.use_params(list(upload.flats.values()), upload.event)
+    def _params(self, job: TaskJob, with_grad: bool) -> _TaskParams:
+        """The task's parameters on the device, bound into the layer copies of its span (once per task)."""
+        params = self._prefetched.pop(id(job), None) or self._start_upload(job, wait=True)
         nxt = self._peek_job()
         if nxt is not None and id(nxt) not in self._prefetched:
             early = self._start_upload(nxt, wait=False)  # overlaps this task's compute
             if early is not None:
                 self._prefetched[id(nxt)] = early
-        flats = upload.flats
-        if with_grad:
-            for bucket_index, flat in flats.items():
-                if self.store.buckets[bucket_index].trainable:
-                    flat.requires_grad_(True)
-        return flats, upload
+        for bucket_index, flat in params.flats.items():
+            bucket = self.store.buckets[bucket_index]
+            views = bucket.views(flat)
+            if with_grad and bucket.trainable:
+                grad = torch.zeros_like(flat)
+                for view, grad_view in zip(views, bucket.views(grad)):
+                    view.requires_grad_(True)
+                    view.grad = grad_view
+                params.grads[bucket_index] = grad
+            params.views[bucket_index] = views
+        for layer in job.task.span.layers:
+            self._copy(layer).bind(params.views)
+        return params
 
-    def _bind(self, layers: range, flats: dict[int, torch.Tensor]) -> None:
-        # Fresh views per micro-batch: each backward frees its graph, the views' included.
-        views = {b: self.store.buckets[b].views(flat) for b, flat in flats.items()}
-        for layer in layers:
-            self._copy(layer).bind(views)
+    def _await_params(self, params: _TaskParams, layer_index: int) -> None:
+        """Make the compute stream wait for the buckets of `layer_index` that are still being copied."""
+        if not params.pending:
+            return
+        for bucket_index in self.store.layer_buckets[layer_index]:
+            if bucket_index in params.pending:
+                params.pending.discard(bucket_index)
+                self.device.use_params([params.flats[bucket_index]], params.events[bucket_index])
 
-    def _run_layer(self, job: TaskJob, layer_index: int, microbatch: int, args: tuple) -> tuple:
+    def _run_layer(self, job: TaskJob, params: _TaskParams, layer_index: int, microbatch: int,
+                   args: tuple) -> tuple:
+        self._await_params(params, layer_index)
         copy = self._copy(layer_index)
         copy.set_training(job.state.training)
         versions = copy.buffer_versions()
@@ -217,34 +243,41 @@ class Worker:
 
     # ----------------------------------------------------------------- gradients
 
-    def _commit(self, job: TaskJob, flats: dict[int, torch.Tensor]) -> bool:
-        """Download the task's gradients and let the commit thread add them to the host; sets `job.done`."""
-        if not job.grad_tickets:
-            return False
-        grads = [flats[b].grad for b, _ in job.grad_tickets]
-        present = [g for g in grads if g is not None]
-        payload = self.device.download_grads(present)
-        host = iter(payload.tensors)
-        downloaded = [None if g is None else next(host) for g in grads]
-        self.committer.submit(lambda: self._commit_on_host(job, payload, downloaded))
-        return True
+    def _commit_schedule(self, job: TaskJob) -> dict[int, list[tuple[int, int]]]:
+        """layer -> the grad tickets whose buckets are complete once the last micro-batch's backward has passed
+        that layer (the lowest layer of the span using the bucket), so each download overlaps the layers below."""
+        lowest_user: dict[int, int] = {}
+        for layer in job.task.span.layers:
+            for bucket_index in self.store.layer_buckets[layer]:
+                lowest_user.setdefault(bucket_index, layer)
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for bucket_index, ticket in job.grad_tickets:
+            by_layer.setdefault(lowest_user[bucket_index], []).append((bucket_index, ticket))
+        return by_layer
 
-    def _commit_on_host(self, job: TaskJob, payload: Payload, grads: list) -> None:
+    def _commit(self, job: TaskJob, params: _TaskParams, tickets: list[tuple[int, int]], last: bool) -> None:
+        """Download the gradients of `tickets`' buckets and let the commit thread add them to the host (so the
+        device moves on at once); the commit of the task's `last` group sets `job.done`."""
+        payload = self.device.download_grads([params.grads[b] for b, _ in tickets])
+        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
+
+    def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
         try:
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
-                payload.host()
+                grads = payload.host()
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
-                self._add_grads(job, grads)
+                self._add_grads(job, tickets, grads)
         finally:
-            job.done.set(True)
+            if last:
+                job.done.set(True)
 
-    def _add_grads(self, job: TaskJob, grads: list) -> None:
-        for (bucket_index, ticket), grad in zip(job.grad_tickets, grads):
+    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: tuple) -> None:
+        for (bucket_index, ticket), grad in zip(tickets, grads):
             bucket = self.store.buckets[bucket_index]
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
             try:
                 faults.point("commit")
-                if grad is not None and job.state.deferred is not None:
+                if job.state.deferred is not None:
                     grad = route_commit(job.state.deferred, bucket, grad)
                 if grad is not None:
                     if bucket.grad_valid:
@@ -273,39 +306,81 @@ class Worker:
                 end.record(self.device.compute_stream)
                 self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
 
+    def _save_input(self, job: TaskJob, layer: int, mb: int, h: tuple) -> None:
+        """Keep a layer input for the backward's recomputation: on this device when the backward runs here and
+        memory allows, else on the host."""
+        keep = layer in job.keep_saved and self.device.can_keep(h, job.state.keep_limit_bytes)
+        job.state.saved[(layer, mb)] = self.device.send(h, keep_on_device=keep)
+
     def _forward(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
-        flats, upload = self._params(job, with_grad=False)
-        self._bind(task.span.layers, flats)  # no graph here, so one binding serves every micro-batch
+        params = self._params(job, with_grad=False)
         for j, mb in enumerate(range(*task.microbatches)):
             h = self.device.receive(job.inputs[j].take(self.failure))
             with torch.no_grad():
                 for layer in task.span.layers:
                     if layer in state.saved_layers:
-                        state.saved[(layer, mb)] = self.device.send(h, keep_on_device=False)
-                    h = self._run_layer(job, layer, mb, h)
+                        self._save_input(job, layer, mb, h)
+                    h = self._run_layer(job, params, layer, mb, h)
             job.outputs[j].set(self._send_next(job, h))
-        self._release(upload)
+        self._release(params)
         return False
+
+    def _backward_layers(self, job: TaskJob, params: _TaskParams, segments, grads: tuple,
+                         commits: dict[int, list[tuple[int, int]]] | None) -> tuple:
+        """Back-propagate `grads` through `segments` ((layer, inputs, outputs), top layer first, each cut from the
+        next at its inputs); with `commits` (the last micro-batch), start each bucket's gradient download as soon
+        as the backward has passed the bucket's lowest layer. Returns the gradients of the lowest inputs."""
+        for layer, inputs, outputs in segments:
+            _backward(outputs, grads)
+            grads = _input_grads(inputs)
+            if commits and layer in commits:
+                tickets = commits.pop(layer)
+                self._commit(job, params, tickets, last=not commits)
+        return grads
+
+    def _forward_segments(self, job: TaskJob, params: _TaskParams, layers: range, mb: int,
+                          inputs: tuple) -> tuple[list[tuple[int, tuple, tuple]], tuple]:
+        """Run `layers` with autograd, each layer's graph cut from the next at its inputs (so the backward can go
+        one layer at a time). Returns the segments, top first, and the last outputs."""
+        segments, h = [], inputs
+        for layer in layers:
+            x = h if layer == layers.start else _as_leaves(h, True)
+            h = self._run_layer(job, params, layer, mb, x)
+            segments.append((layer, x, h))
+        segments.reverse()
+        return segments, h
 
     def _fused(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
-        flats, upload = self._params(job, with_grad=True)
-        needs_input_grad = task.span.start > 0
-        for j, mb in enumerate(range(*task.microbatches)):
-            inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), needs_input_grad)
+        params = self._params(job, with_grad=True)
+        commits = self._commit_schedule(job)
+        mbs = range(*task.microbatches)
+        for j, mb in enumerate(mbs):
+            inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
             with torch.enable_grad():
-                self._bind(task.span.layers, flats)
-                h = inputs
-                for layer in task.span.layers:
-                    h = self._run_layer(job, layer, mb, h)
+                segments, h = self._forward_segments(job, params, task.span.layers, mb, inputs)
                 loss = self._loss(state, h, mb)
+                top = segments[0]
                 if loss.requires_grad:
-                    (loss * state.loss_weights[mb]).backward()
+                    weighted = loss * state.loss_weights[mb]
+                    segments[0] = (top[0], top[1], (weighted,))
+                    grads = self._backward_layers(job, params, segments, (torch.ones_like(weighted),),
+                                                  commits if j == len(mbs) - 1 else None)
+                else:
+                    grads = _input_grads(inputs)
             state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
-            job.outputs[j].set(self._send_next(job, _input_grads(inputs)))
-        self._release(upload)
-        return self._commit(job, flats)
+            job.outputs[j].set(self._send_next(job, grads))
+        self._release(params)
+        return self._finish_commits(job, params, commits)
+
+    def _finish_commits(self, job: TaskJob, params: _TaskParams, commits: dict) -> bool:
+        """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
+        if commits:
+            remaining = [t for layer in sorted(commits, reverse=True) for t in commits[layer]]
+            commits.clear()
+            self._commit(job, params, remaining, last=True)
+        return bool(job.grad_tickets)
 
     def _loss(self, state, outputs: tuple, mb: int) -> torch.Tensor:
         if state.loss_fn is None:
@@ -326,28 +401,28 @@ class Worker:
 
     def _backward_task(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
-        flats, upload = self._params(job, with_grad=True)
+        params = self._params(job, with_grad=True)
+        commits = self._commit_schedule(job)
         needs_input_grad = task.span.start > 0
-        for j, mb in enumerate(range(*task.microbatches)):
+        mbs = range(*task.microbatches)
+        for j, mb in enumerate(mbs):
             grads = self.device.receive(job.inputs[j].take(self.failure))
+            last = commits if j == len(mbs) - 1 else None
             with torch.enable_grad():
                 if self.recompute == "layer":
-                    for layer in reversed(task.span.layers):
-                        self._bind(range(layer, layer + 1), flats)
-                        saved = self.device.receive(state.saved.pop((layer, mb)))
-                        inputs = _as_leaves(saved, needs_input_grad or layer > task.span.start)
-                        _backward(self._run_layer(job, layer, mb, inputs), grads)
-                        grads = _input_grads(inputs)
-                    out = grads if needs_input_grad else ()
+                    segments = (self._recompute_layer(job, params, layer, mb, needs_input_grad)
+                                for layer in reversed(task.span.layers))
                 else:
-                    self._bind(task.span.layers, flats)
                     inputs = _as_leaves(self.device.receive(state.saved.pop((task.span.start, mb))),
                                         needs_input_grad)
-                    h = inputs
-                    for layer in task.span.layers:
-                        h = self._run_layer(job, layer, mb, h)
-                    _backward(h, grads)
-                    out = _input_grads(inputs)
-            job.outputs[j].set(self._send_next(job, out))
-        self._release(upload)
-        return self._commit(job, flats)
+                    segments, _ = self._forward_segments(job, params, task.span.layers, mb, inputs)
+                grads = self._backward_layers(job, params, segments, grads, last)
+            job.outputs[j].set(self._send_next(job, grads if needs_input_grad else ()))
+        self._release(params)
+        return self._finish_commits(job, params, commits)
+
+    def _recompute_layer(self, job: TaskJob, params: _TaskParams, layer: int, mb: int,
+                         needs_input_grad: bool) -> tuple[int, tuple, tuple]:
+        saved = self.device.receive(job.state.saved.pop((layer, mb)))
+        inputs = _as_leaves(saved, needs_input_grad or layer > job.task.span.start)
+        return layer, inputs, self._run_layer(job, params, layer, mb, inputs)
