@@ -103,7 +103,7 @@ class Worker:
         self.copies: dict[int, LayerCopy] = {}
         self.queue: queue.Queue[TaskJob | None] = queue.Queue()
         self._lookahead: collections.deque[TaskJob | None] = collections.deque()
-        self._prefetched: dict[int, _ParamUpload] = {}  # id(job) -> its parameters already in flight
+        self._prefetched: dict[int, _TaskParams] = {}  # id(job) -> its parameters already in flight
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-{device}", daemon=True)
         self.committer: SerialExecutor | None = None
         self.schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for error reports
