@@ -16,6 +16,7 @@ import torch
 
 ENV_PREFIX = "ROUNDPIPE_"
 RECOMPUTE_GRAINS = ("stage", "layer")
+KERNEL_CHOICES = ("auto", "liger", "none")
 _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f")
 
@@ -106,6 +107,9 @@ class RoundPipeConfig:
             Default: no recording.
         peak_tflops (`float`, env `ROUNDPIPE_PEAK_TFLOPS`): the peak dense TFLOP/s of one device, for the MFU in
             training logs. Default: unknown (no MFU logged).
+        kernels (`str`, env `ROUNDPIPE_KERNELS`): fused decoder-layer kernels for Hugging Face models: "auto"
+            applies Liger-Kernel's RMSNorm, SwiGLU and RoPE when it is installed and every device is a GPU;
+            "liger" requires them; "none" runs the model's own layers. Default: "auto".
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
@@ -141,6 +145,8 @@ class RoundPipeConfig:
         "env_aliases": ("ROUNDPIPE_TRACE",)})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "Peak dense TFLOP/s of one device, for the MFU in training logs. Default: unknown (no MFU)."})
+    kernels: str | None = field(default=None, metadata={
+        "help": "Fused layer kernels for HF models: 'auto' (Liger when installed, on GPUs), 'liger', 'none'."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
 
@@ -188,6 +194,10 @@ class RoundPipeConfig:
             self.wait_timeout_s = float(self.wait_timeout_s)
         if self.peak_tflops is not None:
             self.peak_tflops = float(self.peak_tflops)
+        if self.kernels is not None:
+            self.kernels = str(self.kernels).strip().lower()
+            if self.kernels not in KERNEL_CHOICES:
+                raise ValueError(f"kernels (env {env}KERNELS)={self.kernels!r}; choose one of {list(KERNEL_CHOICES)}.")
         if self.gpu_memory_budget is not None:
             self.gpu_memory_budget = _gib(self.gpu_memory_budget, env + "GPU_MEMORY_BUDGET")
 

@@ -68,3 +68,32 @@ def test_configuration_page_lists_every_field():
     page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(RoundPipeConfig):
         assert f"| `{f.name}` | `ROUNDPIPE_{f.name.upper()}`" in page, f.name
+
+
+def test_kernels_choice_is_checked_and_liger_needs_gpus():
+    import pytest
+
+    from accelerate_roundpipe import RoundPipeConfig
+    from accelerate_roundpipe.models.kernels import apply_fused_kernels
+
+    with pytest.raises(ValueError, match="kernels"):
+        RoundPipeConfig(kernels="triton")
+    assert RoundPipeConfig(kernels=" Liger ").kernels == "liger"
+    cpu = [torch.device("cpu")]
+    assert apply_fused_kernels(torch.nn.Linear(2, 2), "auto", cpu) is False  # CPU workers: the model's own layers
+    assert apply_fused_kernels(torch.nn.Linear(2, 2), "none", [torch.device("cuda", 0)]) is False
+    with pytest.raises((ValueError, ImportError), match="kernels='liger'"):
+        apply_fused_kernels(torch.nn.Linear(2, 2), "liger", cpu)
+
+
+def test_gpu_memory_budget_units():
+    import pytest
+
+    from accelerate_roundpipe import RoundPipeConfig
+
+    assert RoundPipeConfig(gpu_memory_budget="24GiB").gpu_memory_budget == 24.0
+    assert RoundPipeConfig(gpu_memory_budget=" 12.5 GB").gpu_memory_budget == 12.5
+    with pytest.raises(ValueError, match="GiB"):
+        RoundPipeConfig(gpu_memory_budget="lots")
+    with pytest.raises(ValueError, match="positive"):
+        RoundPipeConfig(gpu_memory_budget=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import accelerate
 import torch
@@ -49,7 +50,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             FSDP, Megatron-LM and parallelism configs are refused.
     """
 
-    def __init__(self, *args, roundpipe_plugin: RoundPipePlugin | None = None, **kwargs) -> None:
+    def __init__(self, *args: Any, roundpipe_plugin: RoundPipePlugin | None = None, **kwargs: Any) -> None:
         for name in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
                      "parallelism_config"):
             if kwargs.get(name) is not None:

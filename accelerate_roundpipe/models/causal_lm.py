@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
+from .kernels import apply_fused_kernels
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
 
@@ -48,9 +49,12 @@ class CausalLMRoundPipe(RoundPipe):
 
     def __init__(self, model: nn.Module, config: RoundPipeConfig | None = None, *,
                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> None:
+        config = config if config is not None else RoundPipeConfig()
+        kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
         super().__init__(model, config, layers=split.layers)
         object.__setattr__(self, "split", split)
+        self.fused_kernels = kernels_applied  # Liger kernels applied to the decoder layers (see models/kernels.py)
         self.train(model.training)
         self._originals = {name: model.__dict__.get(name) for name in ("forward", "generate", "save_pretrained")}
         model.forward = self._hf_forward

@@ -1,0 +1,43 @@
+"""A Hugging Face model on the engine on CUDA: loss and gradients equal plain HF on the GPU (float32), with and
+without Liger kernels, with the planned partition and with every layer in the fused stage. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from accelerate_roundpipe import RoundPipeConfig, wrap_model
+from accelerate_roundpipe.models.kernels import liger_available
+
+from split_helpers import assert_close, build_model, make_batch, reference_loss
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("whole_model_fused", [False, True])
+@pytest.mark.parametrize("kernels", ["none", "auto"])
+def test_qwen3_on_cuda_matches_hf(kernels, whole_model_fused):
+    if kernels == "auto" and not liger_available():
+        pytest.skip("Liger-Kernel is not installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_model("qwen3", num_hidden_layers=3, tie_word_embeddings=True).float()
+    batch = make_batch("none")
+    reference = copy.deepcopy(model).cuda()
+    ref_loss = reference_loss(reference, {k: v.cuda() for k, v in batch.items()})
+    ref_loss.backward()
+    ref_grads = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+
+    stages = {"backward_stages": [3 + 2]} if whole_model_fused else {}
+    engine = wrap_model(copy.deepcopy(model), RoundPipeConfig(devices=["cuda:0"], num_microbatches=3, seed=0,
+                                                              kernels=kernels, **stages))
+    assert engine.fused_kernels == (kernels == "auto")
+    loss = engine.forward_backward(**batch)
+    engine.synchronize()
+    assert_close(loss, ref_loss.detach().cpu(), "loss", rtol=1e-5)
+    grads = {n: p.grad for n, p in engine.named_parameters()}
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], f"grad of {name}", rtol=2e-4)
+    engine.close()
