@@ -49,17 +49,25 @@ def build(name: str, seq: int):
 
 def run(args, num_microbatches: int) -> dict:
     model = build(args.model, args.seq)
-    engine = wrap_model(model, RoundPipeConfig(devices=["cuda:0"], num_microbatches=num_microbatches))
+    layers = model.config.num_hidden_layers + 2  # embedding, decoder layers, head
+    stages = {"backward_stages": [layers]} if args.fused_all else {}
+    engine = wrap_model(model, RoundPipeConfig(devices=["cuda:0"], num_microbatches=num_microbatches,
+                                               kernels=args.kernels, recompute=args.recompute, **stages))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-5, weight_decay=0.0))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (args.gb, args.seq), generator=gen)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     torch.cuda.reset_peak_memory_stats()
     times = []
+    profiler = None
     for step in range(args.warm + args.iters):
         if step == args.warm:
             engine.synchronize()
             start = time.perf_counter()
+            if args.profile:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
         tick = time.perf_counter()
         loss = engine.forward_backward(**batch)
         optimizer.step()
@@ -68,8 +76,16 @@ def run(args, num_microbatches: int) -> dict:
         print(f"[ours nms={num_microbatches}] step {step} loss {loss.item():.4f} {times[-1]:.3f} s", flush=True)
     engine.synchronize()
     median = (time.perf_counter() - start) / args.iters  # steady state, the lagged step included
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        print(table, flush=True)
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                            max_name_column_width=60), flush=True)
     result = {"system": "accelerate_roundpipe", "model": args.model, "seq": args.seq, "gb": args.gb,
-              "nms": num_microbatches, "iter_s": round(median, 4),
+              "nms": num_microbatches, "iter_s": round(median, 4), "fused_all": args.fused_all,
+              "kernels": args.kernels, "liger": engine.fused_kernels, "recompute": args.recompute,
+              "partition": str(engine.partition),
               "tokens_per_s": round(args.gb * args.seq / median, 1),
               "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
               "commit": os.environ.get("BENCH_COMMIT", "unknown"), "torch": torch.__version__,
@@ -89,6 +105,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/hf_fullft.jsonl")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for the host work (default: torch's own choice)")
+    parser.add_argument("--fused-all", action="store_true", help="every layer in the fused stage (no recompute)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "liger", "none"])
+    parser.add_argument("--recompute", default="stage", choices=["stage", "layer"])
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler tables of the timed steps")
     args = parser.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
