@@ -17,6 +17,7 @@ import torch
 ENV_PREFIX = "ROUNDPIPE_"
 RECOMPUTE_GRAINS = ("stage", "layer")
 KERNEL_CHOICES = ("auto", "liger", "none")
+PLAN_CHOICES = ("measured", "static")
 _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f")
 
@@ -92,6 +93,11 @@ class RoundPipeConfig:
         recompute (`str`, env `ROUNDPIPE_RECOMPUTE`): "stage" recomputes a backward stage's forward as one graph;
             "layer" recomputes and back-propagates one layer at a time (less GPU memory, more input uploads).
             Default: "stage".
+        plan (`str`, env `ROUNDPIPE_PLAN`): "measured" times every layer and reads its activation memory on the
+            first training pass, then re-plans the partition from those costs under `gpu_memory_budget` (one device:
+            no recomputation where memory allows; several: the slowest stage as fast as memory allows); "static"
+            keeps the partition planned from unit costs. Ignored when `forward_stages`/`backward_stages` are given.
+            Default: "measured" when every device is a GPU, else "static".
         forward_stages (`list[int]`, env `ROUNDPIPE_FORWARD_STAGES`): layer counts of the forward stages, bottom
             to top, covering every layer below the fused stage. Default: planned from layer costs.
         backward_stages (`list[int]`, env `ROUNDPIPE_BACKWARD_STAGES`): layer counts of the backward stages,
@@ -130,6 +136,8 @@ class RoundPipeConfig:
         "help": "dtype of optimizer copies and host gradients. Default: float32 (or wider if the parameter is)."})
     recompute: str | None = field(default=None, metadata={
         "help": "Backward recomputation grain: 'stage' or 'layer'. Default: 'stage'."})
+    plan: str | None = field(default=None, metadata={
+        "help": "'measured': re-plan from costs measured on the first pass; 'static'. Default: measured on GPUs."})
     forward_stages: list[int] | None = field(default=None, metadata={
         "help": "Layer counts of forward stages below the fused stage, e.g. '3,3'. Default: planned from costs."})
     backward_stages: list[int] | None = field(default=None, metadata={
@@ -186,6 +194,10 @@ class RoundPipeConfig:
             if self.recompute not in RECOMPUTE_GRAINS:
                 raise ValueError(f"recompute (env {env}RECOMPUTE)={self.recompute!r}; choose one of "
                                  f"{list(RECOMPUTE_GRAINS)}.")
+        if self.plan is not None:
+            self.plan = str(self.plan).strip().lower()
+            if self.plan not in PLAN_CHOICES:
+                raise ValueError(f"plan (env {env}PLAN)={self.plan!r}; choose one of {list(PLAN_CHOICES)}.")
         self.forward_stages = _int_list(self.forward_stages, "forward_stages")
         self.backward_stages = _int_list(self.backward_stages, "backward_stages")
         if self.seed is not None:
@@ -212,6 +224,14 @@ class RoundPipeConfig:
     @property
     def resolved_async_optimizer(self) -> bool:
         return True if self.async_optimizer is None else self.async_optimizer
+
+    @property
+    def resolved_plan(self) -> str:
+        if self.forward_stages is not None or self.backward_stages is not None:
+            return "static"
+        if self.plan is not None:
+            return self.plan
+        return "measured" if all(d.type == "cuda" for d in self.resolved_devices()) else "static"
 
     @property
     def resolved_recompute(self) -> str:

@@ -40,21 +40,25 @@ def reference_training(model, batches, async_optimizer: bool, num_mb: int, dropo
     return model, losses
 
 
+@pytest.mark.parametrize("plan, num_devices", [("static", 3), ("measured", 3), ("measured", 1)])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("async_optimizer", [True, False])
-def test_steps_follow_the_staleness_rule(async_optimizer, dropout):
+def test_steps_follow_the_staleness_rule(async_optimizer, dropout, plan, num_devices):
+    """Also across the re-plan of [Note: measured plan]: the partition changes after the first step (one device:
+    every layer in the fused stage, no recomputation) and the training stays exact."""
     model = tied_model(dropout=0.3 if dropout else 0.0)
     batches = [batch(rows=9, seed=10 + k) for k in range(NUM_STEPS)]
     num_mb = 4
     ref_model, ref_losses = reference_training(model, batches, async_optimizer, num_mb, dropout)
 
-    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=num_mb, seed=0,
-                                                             microbatches_per_round=3,
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"] * num_devices, num_microbatches=num_mb,
+                                                             seed=0, microbatches_per_round=3, plan=plan,
                                                              async_optimizer=async_optimizer))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LRS[0], weight_decay=0.1))
-    losses = []
+    losses, partitions = [], []
     for k, (x, mask, y) in enumerate(batches):
         losses.append(engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy))
+        partitions.append(engine.partition)
         for group in optimizer.param_groups:
             group["lr"] = LRS[k]
         optimizer.step()
@@ -67,6 +71,13 @@ def test_steps_follow_the_staleness_rule(async_optimizer, dropout):
         assert_close(p.detach(), reference[name].detach(), RTOL, f"weight {name}")
     for name, p in engine.named_parameters():  # optimizer copies agree with the compute copies
         assert_close(p.detach(), reference[name].detach(), RTOL, f"optimizer copy {name}")
+    if plan == "static":
+        assert len(set(partitions)) == 1 and engine.layer_costs is None
+    else:
+        assert engine.layer_costs is not None and engine.layer_costs.num_layers == len(model)
+        assert len(set(partitions[1:])) == 1  # re-planned once, before the second pass
+        if num_devices == 1:
+            assert partitions[-1].forward == () and len(partitions[-1].fused) == len(model)
     engine.close()
 
 

@@ -276,7 +276,7 @@ def _balanced(model: StageCostModel, kind: TaskKind, lo: int, hi: int, parts: in
     return _split_to(model, kind, best, parts)
 
 
-def _check_every_layer_fits(model: StageCostModel) -> None:
+def check_every_layer_fits(model: StageCostModel) -> None:
     """Each layer must fit alone: as a backward stage (F needs less) or, the top layer, as the fused stage."""
     top = model.num_layers - 1
     for layer in range(model.num_layers):
@@ -309,7 +309,7 @@ def plan_from_costs(costs: LayerCosts, *, num_devices: int, num_microbatches: in
     if num_layers < 1:
         raise ValueError("RoundPipe needs a model with at least one layer.")
     model = StageCostModel(costs, settings)
-    _check_every_layer_fits(model)
+    check_every_layer_fits(model)
 
     # Slowest single forward / backward stage among the layers below each possible fused start f.
     below_f = [0.0]

@@ -17,7 +17,10 @@ import torch
 from torch import nn
 
 from ..config import RoundPipeConfig
+from ..plan.layer_costs import LayerCosts
+from ..plan.one_device import plan_one_device
 from ..plan.partition import Partition, plan_partition
+from ..plan.planner import PlanSettings, StageCostModel, plan_from_costs
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
@@ -25,12 +28,15 @@ from .deferred import DeferredCommit, DeferredLoss, resolve_job
 from .device import Device, Payload
 from .host_store import HostStore
 from .jobs import PassState, TaskJob, split_rows
+from .layer_profile import LayerProfile
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
 
 _KEEP_SCHEDULES = 4
 SAVED_INPUT_SHARE = 0.5  # of the memory budget, for saved layer inputs kept on the device ([Note: saved inputs])
+PLAN_SHARE = 0.85  # of the memory budget, for the stages the planner sizes ([Note: measured plan])
+PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure for the planner's transfer times
 logger = logging.getLogger(__name__)
 
 
@@ -128,6 +134,10 @@ class RoundPipe(nn.Module):
         self._schedules: dict[int, list[Task]] = {}
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
         self._keep_limit_bytes = self._saved_input_limit()
+        # [Note: measured plan] the first training pass is measured (`_profile`), the next one re-plans from it.
+        self._profile: tuple[LayerProfile, list[TaskJob], int] | None = None
+        self._measure_next_pass = self.config.resolved_plan == "measured"
+        self.layer_costs: LayerCosts | None = None
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
@@ -199,7 +209,12 @@ class RoundPipe(nn.Module):
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
-        self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
+        if self._measure_next_pass:
+            self._measure_next_pass = False
+            state.profile = LayerProfile(len(self.layers))
+        jobs = self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
+        if state.profile is not None:
+            self._profile = (state.profile, jobs, self.config.microbatches_per_round or num_mb)
         self._release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
             losses = [f.get(self._failure).host()[0] for f in state.losses]
@@ -352,6 +367,8 @@ class RoundPipe(nn.Module):
     def _before_pass(self) -> None:
         self._failure.check()
         self.drop_pending_gradients()
+        if self._profile is not None:
+            self._replan()
         if self.optimizer is None:
             for bucket in self._store.trainable_buckets:
                 if bucket.optim._version != bucket.optim_version_seen:
@@ -399,6 +416,51 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.optimizer.release_writebacks()
 
+    def _memory_budget_bytes(self) -> float | None:
+        budget_gib = self.config.gpu_memory_budget
+        cuda = [d.device for d in self.devices if d.is_cuda]
+        if budget_gib is None and cuda:
+            budget_gib = min(torch.cuda.get_device_properties(d).total_memory for d in cuda) / 2**30
+        return None if budget_gib is None else budget_gib * 2**30
+
+    def _replan(self) -> None:
+        """[Note: measured plan]
+        After the measured pass has finished (its CUDA events are read here, once), choose the partition from the
+        measured costs: one device takes `plan_one_device` (no recomputation where memory allows), several take
+        `plan_from_costs` (the slowest stage as fast as memory allows). The planner works with `PLAN_SHARE` of the
+        budget (the CUDA context, allocator slack and transfers in flight take the rest); saved inputs may then stay
+        on the device only in what the largest planned stage leaves free. If no plan fits, the current partition
+        (which just ran) is kept."""
+        profile, jobs, per_round = self._profile
+        self._profile = None
+        for job in jobs:
+            job.done.get(self._failure)
+        self.layer_costs = profile.costs(self._store)
+        budget = self._memory_budget_bytes()
+        if budget is None:  # CPU workers: no memory limit to plan against
+            budget = float(sum(self.layer_costs.param_bytes) * 4 + sum(self.layer_costs.act_bytes) * per_round + 1)
+        settings = PlanSettings(num_devices=len(self.devices), num_microbatches=per_round,
+                                gpu_memory_bytes=budget * PLAN_SHARE, pcie_bytes_per_s=PCIE_BYTES_PER_S,
+                                recompute=self.config.resolved_recompute)
+        try:
+            if len(self.devices) == 1:
+                partition = plan_one_device(self.layer_costs, settings)
+            else:
+                partition = plan_from_costs(self.layer_costs, **{f: getattr(settings, f) for f in (
+                    "num_devices", "num_microbatches", "gpu_memory_bytes", "pcie_bytes_per_s", "recompute")}).partition
+        except ValueError as error:
+            logger.warning("RoundPipe kept the partition %s: no plan from the measured costs fits (%s).",
+                           self.partition, error)
+            return
+        model = StageCostModel(self.layer_costs, settings)
+        peak = max([model.memory(TaskKind.FORWARD, *s) for s in partition.forward]
+                   + [model.memory(TaskKind.BACKWARD, *s) for s in partition.backward[:-1]]
+                   + [model.memory(TaskKind.FUSED, *partition.fused)])
+        if self._keep_limit_bytes:
+            self._keep_limit_bytes = max(0, int(budget * PLAN_SHARE - peak))
+        logger.info("RoundPipe re-planned from measured costs: %s (was %s).", partition, self.partition)
+        self.partition = partition
+
     def _saved_input_limit(self) -> int:
         """[Note: saved inputs]
         The layer inputs a forward stage keeps for the backward's recomputation stay on the device when the task
@@ -406,11 +468,7 @@ class RoundPipe(nn.Module):
         `SAVED_INPUT_SHARE` of the memory budget; the rest takes the host round trip (download now, upload in the
         backward). On one GPU with room this removes the largest PCIe traffic after the weights; under a tight
         budget the inputs of the first layers stay, the others go to the host, and nothing changes in the maths."""
-        budget_gib = self.config.gpu_memory_budget
-        cuda = [d.device for d in self.devices if d.is_cuda]
-        if budget_gib is None and cuda:
-            budget_gib = min(torch.cuda.get_device_properties(d).total_memory for d in cuda) / 2**30
-        return int((budget_gib or 0) * 2**30 * SAVED_INPUT_SHARE)
+        return int((self._memory_budget_bytes() or 0) * SAVED_INPUT_SHARE)
 
     def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
         """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).

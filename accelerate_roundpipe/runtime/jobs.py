@@ -33,6 +33,7 @@ class PassState:
     deferred: DeferredCommit | None = None
     # Saved layer inputs may stay on the device while its allocated memory is below this ([Note: saved inputs]).
     keep_limit_bytes: int = 0
+    profile: Any = None  # a LayerProfile while the pass is measured for the planner
 
     @property
     def num_microbatches(self) -> int:

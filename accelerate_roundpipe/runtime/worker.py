@@ -7,6 +7,7 @@ on to its next task at once), and it starts uploading the next task's parameters
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -22,9 +23,11 @@ from .device import Device, Payload, stream_seed
 from .host_store import HostStore
 from .jobs import TaskJob
 from .layer_copy import LayerCopy
+from .layer_profile import BACKWARD, FORWARD, FORWARD_WITH_GRAPH
 from .sync import FailureFlag, SerialExecutor, mark_engine_thread
 
 logger = logging.getLogger(__name__)
+_NO_PROFILE = contextlib.nullcontext()
 
 
 def as_tuple(value, what: str) -> tuple[torch.Tensor, ...]:
@@ -233,7 +236,10 @@ class Worker:
         copy = self._copy(layer_index)
         copy.set_training(job.state.training)
         versions = copy.buffer_versions()
-        with self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
+        profile = job.state.profile
+        kind = FORWARD_WITH_GRAPH if torch.is_grad_enabled() else FORWARD
+        with (profile.measure(kind, layer_index, self.device, args) if profile is not None else _NO_PROFILE), \
+                self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
             out = copy.module(*args)
         copy.check_stateless(versions)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
@@ -331,8 +337,10 @@ class Worker:
         """Back-propagate `grads` through `segments` ((layer, inputs, outputs), top layer first, each cut from the
         next at its inputs); with `commits` (the last micro-batch), start each bucket's gradient download as soon
         as the backward has passed the bucket's lowest layer. Returns the gradients of the lowest inputs."""
+        profile = job.state.profile
         for layer, inputs, outputs in segments:
-            _backward(outputs, grads)
+            with profile.measure(BACKWARD, layer, self.device) if profile is not None else _NO_PROFILE:
+                _backward(outputs, grads)
             grads = _input_grads(inputs)
             if commits and layer in commits:
                 tickets = commits.pop(layer)

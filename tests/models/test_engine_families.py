@@ -23,6 +23,9 @@ import copy
 
 import pytest
 import torch
+
+from accelerate_roundpipe import RoundPipeConfig, wrap_model
+
 from split_helpers import (
     FLOAT32_NORM_FAMILIES,
     MOE_FAMILIES,
@@ -33,8 +36,6 @@ from split_helpers import (
     make_batch,
     reference_loss,
 )
-
-from accelerate_roundpipe import RoundPipeConfig, wrap_model
 
 ISSUE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3_moe", "gpt_oss")
 FAMILIES = [family for family in ISSUE_FAMILIES if family in available_families()]

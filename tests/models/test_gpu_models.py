@@ -41,3 +41,27 @@ def test_qwen3_on_cuda_matches_hf(kernels, whole_model_fused):
     for name, grad in grads.items():
         assert_close(grad, ref_grads[name], f"grad of {name}", rtol=2e-4)
     engine.close()
+
+
+def test_measured_plan_on_cuda_puts_a_small_model_in_one_fused_stage():
+    """[Note: measured plan] on a GPU: the first pass measures (activation bytes from the allocator, times from CUDA
+    events), the second runs re-planned (everything fits: one fused stage, no recomputation) with exact gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_model("qwen3", num_hidden_layers=3).float()
+    batch = make_batch("none")
+    reference = copy.deepcopy(model).cuda()
+    reference_loss(reference, {k: v.cuda() for k, v in batch.items()}).backward()
+    ref_grads = {n: 2 * p.grad.cpu() for n, p in reference.named_parameters()}  # two passes accumulate
+    engine = wrap_model(copy.deepcopy(model), RoundPipeConfig(devices=["cuda:0"], num_microbatches=3, seed=0,
+                                                              kernels="none"))
+    assert engine.config.resolved_plan == "measured"
+    engine.forward_backward(**batch)
+    first = engine.partition
+    engine.forward_backward(**batch)
+    engine.synchronize()
+    assert first != engine.partition and engine.partition.forward == ()
+    costs = engine.layer_costs
+    assert all(a > 0 for a in costs.act_bytes[1:]) and all(t > 0 for t in costs.forward_s)
+    for name, p in engine.named_parameters():
+        assert_close(p.grad, ref_grads[name], f"grad of {name}", rtol=2e-4)
+    engine.close()

@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
-from split_helpers import assert_close, build_model, make_batch, reference_loss
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
+
+from split_helpers import assert_close, build_model, make_batch, reference_loss
 
 peft = pytest.importorskip("peft")
 

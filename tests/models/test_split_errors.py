@@ -2,11 +2,12 @@
 
 import pytest
 import transformers
-from split_helpers import build_model
 from torch import nn
 
 from accelerate_roundpipe.models import FamilySpec, UnsupportedModelError, register_family, split_causal_lm
 from accelerate_roundpipe.models.registry import _FAMILIES
+
+from split_helpers import build_model
 
 WAY_OUT = "pass that `torch.nn.Sequential` to `RoundPipe` directly"
 

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from split_helpers import assert_close, available_families, build_model, make_batch, run_layers, split_rows
 
 from accelerate_roundpipe.models import split_causal_lm
+
+from split_helpers import assert_close, available_families, build_model, make_batch, run_layers, split_rows
 
 
 @pytest.mark.parametrize("family", available_families())

@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+
+from accelerate_roundpipe.models import split_causal_lm
+
 from split_helpers import (
     FLOAT32_NORM_FAMILIES,
     MOE_FAMILIES,
@@ -16,8 +19,6 @@ from split_helpers import (
     split_rows,
     switch_aux_loss,
 )
-
-from accelerate_roundpipe.models import split_causal_lm
 
 SIZES = ([2, 1], [1, 1, 1])
 

@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+
+from accelerate_roundpipe.models import split_causal_lm
+
 from split_helpers import (
     assert_close,
     assert_same_gradients,
@@ -12,8 +15,6 @@ from split_helpers import (
     reference_loss,
     run_layers,
 )
-
-from accelerate_roundpipe.models import split_causal_lm
 
 # HF's own eager attention gives NaN for fully padded query rows of left-padded float64 batches (Gemma2 needs eager
 # for its attention soft-capping), so Gemma2 is checked on right padding and unpadded batches only.

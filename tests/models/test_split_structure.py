@@ -5,10 +5,11 @@ import threading
 
 import pytest
 import torch
-from split_helpers import assert_close, available_families, build_model, make_batch, run_layers
 from torch import nn
 
 from accelerate_roundpipe.models import split_causal_lm
+
+from split_helpers import assert_close, available_families, build_model, make_batch, run_layers
 
 
 def _reachable(root, stop=(type, torch.Tensor)):

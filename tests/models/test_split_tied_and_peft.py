@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+
+from accelerate_roundpipe.models import split_causal_lm
+
 from split_helpers import (
     assert_close,
     assert_same_gradients,
@@ -11,8 +14,6 @@ from split_helpers import (
     reference_loss,
     run_layers,
 )
-
-from accelerate_roundpipe.models import split_causal_lm
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

@@ -6,9 +6,10 @@ import copy
 
 import pytest
 import torch
-from split_helpers import assert_close, build_model, make_batch, reference_loss
 
 from accelerate_roundpipe import RoundPipeConfig, UnsupportedModelError, wrap_model
+
+from split_helpers import assert_close, build_model, make_batch, reference_loss
 
 CONFIG = dict(devices=["cpu", "cpu"], num_microbatches=3)
 

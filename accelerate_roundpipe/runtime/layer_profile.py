@@ -1,0 +1,96 @@
+"""Per-layer costs measured on a training pass, for the planner (`plan/planner.py`, `plan/one_device.py`).
+
+While a pass is profiled, the workers time every layer run (CUDA events on the compute stream, read after the pass,
+so nothing waits on the GPU; wall time on CPU workers), and on CUDA read the caching allocator's counter around each
+forward that builds a graph: the growth is the activation memory the layer holds for its backward (a host-side
+counter, no device sync). Forwards without a graph give `forward_s`, forwards with a graph `recompute_s`, the per-layer
+backward segments `backward_s`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..plan.layer_costs import LayerCosts
+from .host_store import HostStore
+
+FORWARD, FORWARD_WITH_GRAPH, BACKWARD = "forward", "forward_with_graph", "backward"
+
+
+class _Timer:
+    __slots__ = ("start", "end", "seconds")
+
+    def __init__(self, stream) -> None:
+        self.seconds = None
+        if stream is None:
+            self.start, self.end = time.perf_counter(), None
+        else:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record(stream)
+
+    def stop(self, stream) -> None:
+        if stream is None:
+            self.seconds = time.perf_counter() - self.start
+        else:
+            self.end.record(stream)
+
+    def elapsed_s(self) -> float:
+        if self.seconds is None:
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        return self.seconds
+
+
+class LayerProfile:
+    """Measurements of one pass; workers add to it from their threads."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._timers: dict[tuple[str, int], list[_Timer]] = defaultdict(list)
+        self._act_bytes: dict[int, int] = defaultdict(int)
+        self._input_bytes: dict[int, int] = defaultdict(int)
+
+    @contextmanager
+    def measure(self, kind: str, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
+        stream = device.compute_stream if device.is_cuda else None
+        graph = kind == FORWARD_WITH_GRAPH and device.is_cuda
+        before = torch.cuda.memory_allocated(device.device) if graph else 0
+        timer = _Timer(stream)
+        yield
+        timer.stop(stream)
+        grown = torch.cuda.memory_allocated(device.device) - before if graph else 0
+        size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
+        with self._lock:
+            self._timers[(kind, layer)].append(timer)
+            self._act_bytes[layer] = max(self._act_bytes[layer], grown)
+            if inputs:
+                self._input_bytes[layer] = max(self._input_bytes[layer], size)
+
+    def _mean(self, kind: str, layer: int) -> float | None:
+        timers = self._timers.get((kind, layer))
+        return sum(t.elapsed_s() for t in timers) / len(timers) if timers else None
+
+    def costs(self, store: HostStore) -> LayerCosts:
+        """Mean time per micro-batch of every layer (waits for the pass's events) and its bytes."""
+        forward, recompute, backward = [], [], []
+        for layer in range(self.num_layers):
+            with_graph = self._mean(FORWARD_WITH_GRAPH, layer)
+            without = self._mean(FORWARD, layer)
+            forward.append(without if without is not None else with_graph or 0.0)
+            recompute.append(with_graph if with_graph is not None else forward[-1])
+            backward.append(self._mean(BACKWARD, layer) or 2 * forward[-1])
+        params, grads = [], []
+        for layer in range(self.num_layers):
+            buckets = [store.buckets[b] for b in store.layer_buckets[layer]]
+            params.append(sum(b.compute.numel() * b.compute.element_size() for b in buckets))
+            grads.append(sum(b.compute.numel() * b.compute.element_size() for b in buckets if b.trainable))
+        return LayerCosts(forward_s=forward, backward_s=backward, recompute_s=recompute, param_bytes=params,
+                          grad_bytes=grads, act_bytes=[self._act_bytes[i] for i in range(self.num_layers)],
+                          input_bytes=[self._input_bytes[i] for i in range(self.num_layers)])
