@@ -167,7 +167,7 @@ class RoundPipeTrainer(Trainer):
                 self._late_grad_norm.close()
             self._late_grad_norm = LateGradNorm(engine, lagged)
         self._late_grad_norm.before_step(self.state.global_step)
-        return self._late_grad_norm.norm_of(self.state.global_step - 1)  # [Note: late grad norm]
+        return self._late_grad_norm.newest_norm(self.state.global_step - 1)  # [Note: late grad norm]
 
     # ------------------------------------------------------------------ checkpoints
 

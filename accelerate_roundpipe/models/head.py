@@ -8,16 +8,28 @@ weight gradient over the same tokens at once, and the norm is not recomputed per
 
 The loss follows HF's `ForCausalLMLoss`: labels are given unshifted and shifted inside (the last position predicts
 nothing), -100 is ignored, and the sum is divided by `num_items_in_batch`, the label count of the *whole* batch, so
-the engine's sum over micro-batches is the batch loss. The cross-entropy runs over chunks of the sequence, each
-under `torch.utils.checkpoint`, so the fp32 logits of only one chunk exist at a time, in forward and in backward.
-Logits are upcast to at least fp32 (fp64 models keep fp64, where HF would drop to fp32).
+the engine's sum over micro-batches is the batch loss. The cross-entropy runs over chunks of tokens, so the fp32
+logits of only one chunk exist at a time, in forward and in backward. Logits are upcast to at least fp32 (fp64 models
+keep fp64, where HF would drop to fp32).
+
+[Note: fused loss path]
+When the logits are exactly `F.linear(normed, lm_head.weight, lm_head.bias)` the head uses
+`fused_linear_cross_entropy_sum` (`fused_ce.py`), which computes each chunk's logits once and their gradients right
+away. That holds when the lm_head is a plain `nn.Linear` (type exactly: LoRA-wrapped or quantised heads are
+subclasses or wrappers with their own forward), its weight has the hidden state's dtype, no autocast is active, and
+the config names none of the operations families apply around the lm_head (`_LOGIT_TRANSFORM_CONFIG_NAMES`: Gemma's
+soft-capping, Cohere's and Granite's logit scales, Falcon-H1's multiplier, ...). Otherwise each chunk runs the shell's
+own forward under `torch.utils.checkpoint` (the lm_head matmul is then recomputed in backward), which applies
+whatever the family does. `use_fused_loss = False` on the class or an instance forces the checkpointed path.
 
 [Note: loss chunk size]
-A chunk holds at most `loss_chunk_tokens` tokens and at most 1/`MIN_LOSS_CHUNKS` of the micro-batch's tokens. Its
-backward holds about three chunk-sized fp32 tensors at once (the saved log-probabilities, their gradient and the
-logits' gradient), so the head's peak is about 3/`MIN_LOSS_CHUNKS` of one full fp32 logits tensor of the micro-batch
-(plus the lm_head's weight gradient), whatever the micro-batch size; `loss_chunk_tokens` caps it in absolute terms
-for large micro-batches (measured in tests/models/test_head_memory.py).
+A chunk holds at most `loss_chunk_tokens` tokens and at most 1/`MIN_LOSS_CHUNKS` of the micro-batch's tokens. On the
+checkpointed path its backward holds about three chunk-sized fp32 tensors at once (the saved log-probabilities, their
+gradient and the logits' gradient), so the head's peak is about 3/`MIN_LOSS_CHUNKS` of one full fp32 logits tensor of
+the micro-batch (plus the lm_head's weight gradient), whatever the micro-batch size; the fused path holds one chunk of
+fp32 log-probabilities beside the chunk's input-dtype logits or gradient, plus an fp32 accumulator of the weight
+gradient. `loss_chunk_tokens` caps it in absolute terms for large micro-batches (measured in
+tests/models/test_head_memory.py).
 """
 
 from __future__ import annotations
@@ -26,11 +38,24 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .fused_ce import fused_linear_cross_entropy_sum
 from .router_aux import router_aux_loss
 
 IGNORE_INDEX = -100
 # Fewest chunks a micro-batch's loss is split into (see [Note: loss chunk size]).
 MIN_LOSS_CHUNKS = 8
+# Config attributes of families that change the logits around the lm_head (in transformers' modeling files): any of
+# them set means the fused path would miss it (see [Note: fused loss path]).
+_LOGIT_TRANSFORM_CONFIG_NAMES = (
+    "final_logit_softcapping",  # Gemma 2/3/3n/4, VaultGemma, Nanochat, Mistral-Large-4: tanh soft-capping
+    "logits_soft_cap",  # RecurrentGemma
+    "logit_scale",  # Cohere, Cohere2: logits * scale
+    "logits_scaling",  # Granite family: logits / scale; MiniCPM3: hidden / scale before the lm_head
+    "lm_head_multiplier",  # Falcon-H1
+    "output_multiplier",  # Muse
+    "output_multiplier_scale",
+    "unpadded_vocab_size",  # Inkling: logits cut to the unpadded vocabulary
+)
 
 
 class _HiddenOnlyOutput:
@@ -66,6 +91,9 @@ class FinalNorm(nn.Module):
 class CausalLMHead(nn.Module):
     """Final norm + lm_head + chunked cross-entropy (see the module docstring and [Note: decoder batch layout]).
 
+    `use_fused_loss` (class attribute, may be set per instance): False forces the checkpointed loss path even where
+    the fused one applies (see [Note: fused loss path]).
+
     Args:
         causal_lm_shell: shell of the `*ForCausalLM` holding only `FinalNorm` and the lm_head.
         logits_kwargs: fixed keyword arguments for that shell's forward (e.g. `output_router_logits=False`).
@@ -73,6 +101,8 @@ class CausalLMHead(nn.Module):
             at least `MIN_LOSS_CHUNKS` chunks (see [Note: loss chunk size]).
         router_aux_loss_coef: weight of the router aux loss when the batch carries router statistics, else None.
     """
+
+    use_fused_loss = True
 
     def __init__(
         self,
@@ -86,6 +116,9 @@ class CausalLMHead(nn.Module):
             raise ValueError(f"`loss_chunk_tokens` must be at least 1, got {loss_chunk_tokens}.")
         self.lm = causal_lm_shell
         self._final_norm_name = next(name for name, m in causal_lm_shell.named_children() if isinstance(m, FinalNorm))
+        self._lm_head_name = _lm_head_name(causal_lm_shell)
+        config = getattr(causal_lm_shell, "config", None)
+        self._logits_are_plain = config is not None and not _logit_transforms(config)
         self.logits_kwargs = dict(logits_kwargs)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.router_aux_loss_coef = router_aux_loss_coef
@@ -121,6 +154,16 @@ class CausalLMHead(nn.Module):
         shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         num_rows, seq_len = labels.shape
         chunk_tokens = min(self.loss_chunk_tokens, -(-num_rows * seq_len // MIN_LOSS_CHUNKS))
+        lm_head = self._fusable_lm_head(normed)
+        if lm_head is not None:
+            return fused_linear_cross_entropy_sum(
+                normed.reshape(-1, normed.shape[-1]),
+                lm_head.weight,
+                shift_labels.reshape(-1),
+                bias=lm_head.bias,
+                ignore_index=IGNORE_INDEX,
+                chunk_tokens=max(1, chunk_tokens),
+            )
         chunk_len = max(1, chunk_tokens // max(num_rows, 1))
         total = None
         for start in range(0, seq_len, chunk_len):
@@ -132,6 +175,17 @@ class CausalLMHead(nn.Module):
             total = part if total is None else total + part
         return total
 
+    def _fusable_lm_head(self, normed: torch.Tensor) -> nn.Linear | None:
+        """The lm_head when the fused loss computes exactly the logits HF would, else None ([Note: fused loss path])."""
+        if not (self.use_fused_loss and self._logits_are_plain and self._lm_head_name is not None):
+            return None
+        lm_head = self.lm._modules[self._lm_head_name]
+        if type(lm_head) is not nn.Linear or lm_head.weight.dtype != normed.dtype:
+            return None
+        if torch.is_autocast_enabled(normed.device.type):  # autocast would pick other matmul dtypes than HF's code
+            return None
+        return lm_head
+
     def _chunk_loss_sum(self, normed_chunk: torch.Tensor, labels_chunk: torch.Tensor) -> torch.Tensor:
         logits = self._logits_of_normed(normed_chunk)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -141,3 +195,24 @@ class CausalLMHead(nn.Module):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+
+
+def _lm_head_name(causal_lm_shell: nn.Module) -> str | None:
+    """Name of the lm_head in the head shell: its one child other than `FinalNorm` that holds parameters (the shell
+    keeps only those two and parameter-free modules). `get_output_embeddings()` cannot tell: on the shell it asks the
+    inner model, `FinalNorm`, for input embeddings first and returns None."""
+    names = [
+        name
+        for name, child in causal_lm_shell.named_children()
+        if not isinstance(child, FinalNorm) and next(child.parameters(), None) is not None
+    ]
+    return names[0] if len(names) == 1 else None
+
+
+def _logit_transforms(config) -> list[str]:
+    """The `_LOGIT_TRANSFORM_CONFIG_NAMES` set in `config` or its text config (multimodal configs nest it)."""
+    configs = [config]
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if text_config is not None and text_config is not config:
+        configs.append(text_config)
+    return [name for c in configs for name in _LOGIT_TRANSFORM_CONFIG_NAMES if getattr(c, name, None) is not None]
