@@ -134,8 +134,7 @@ def _check(batch: dict, warm: int, iters: int) -> tuple[int, int]:
 
 
 def _microbatches(engine, rows: int) -> int:
-    requested = engine.config.num_microbatches
-    return min(requested if requested is not None else 2 * len(engine.devices), rows)
+    return engine.num_microbatches_for(rows)
 
 
 def _result(clock: _Clock, losses: list[float], rows: int, seq: int, microbatches: int, meter: _Meter,
@@ -502,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     parser.add_argument("--system", required=True, choices=sorted(PATHS))
-    parser.add_argument("--nms", default="4", help="micro-batch counts to run (comma-separated), one record each")
+    parser.add_argument("--nms", default="4", help="micro-batch counts to run (comma-separated; 'auto': the "
+                        "engine's choice), one record each")
     parser.add_argument("--seqs", default=None, help="override the workload's sequence lengths (comma-separated)")
     parser.add_argument("--devices", default=None, help="RoundPipe devices (default: cuda:0, else cpu)")
     parser.add_argument("--warm", type=int, default=2)
@@ -521,10 +521,10 @@ def main(argv: list[str] | None = None) -> None:
     devices = args.devices.split(",") if args.devices else (["cuda:0"] if torch.cuda.is_available() else ["cpu"])
     memory_cap(w["cap"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for nms in (int(v) for v in args.nms.split(",")):
+    for nms in (None if v == "auto" else int(v) for v in args.nms.split(",")):
         for seq in seqs:
             extra = {"gpu_memory_budget": w["cap"]} if w["cap"] and any(d.startswith("cuda") for d in devices) else {}
-            config = RoundPipeConfig(devices=devices, num_microbatches=min(nms, w["gb"]), kernels=args.kernels,
+            config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w["gb"]), kernels=args.kernels,
                                      recompute=args.recompute, **extra)
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0)

@@ -44,8 +44,10 @@ def stage_memory(costs: LayerCosts, kind: str, span: Span, recompute: str) -> fl
     params = sum(costs.param_bytes[i] for i in layers)
     grads = 0 if kind == "F" else sum(costs.grad_bytes[i] for i in layers)
     whole_graph = kind == "FB" or (kind == "B" and recompute == "stage")
-    acts = sum(costs.act_bytes[i] for i in layers) if whole_graph else max(costs.act_bytes[i] for i in layers)
-    return 2 * params + grads + acts + 2 * max(costs.input_bytes)
+    largest = max(costs.act_bytes[i] for i in layers)
+    acts = sum(costs.act_bytes[i] for i in layers) if whole_graph else largest
+    working_set = 0 if kind == "F" else largest  # a backward holds gradients of about one layer's activations
+    return 2 * params + grads + acts + working_set + 2 * max(costs.input_bytes)
 
 
 def compositions(lo: int, hi: int):

@@ -110,8 +110,7 @@ class LateGradNorm:
         squares, count, step_index = 0.0, 0, None
         for group in optimizer.param_groups:
             step_index = group.get(STEP_TAG, step_index)
-            for p in group["params"]:
-                count += 1
+            count += len(group["params"])
             grads = [p.grad for p in group["params"] if p.grad is not None]
             if grads:  # one vectorised call per group (a bucket), not one reduction per tensor
                 squares += float(torch.stack(torch._foreach_norm(grads)).float().pow(2).sum())

@@ -25,6 +25,31 @@ def _rng_lock(device: torch.device) -> threading.Lock:
         return _RNG_LOCKS.setdefault(str(device), threading.Lock())
 
 
+def use_expandable_segments() -> bool:
+    """Turn on the CUDA caching allocator's expandable segments unless the user configured the allocator.
+
+    The engine's tasks allocate differently sized stages, parameter sets and saved inputs in turn; with fixed-size
+    segments a 24 GiB card lost 4 GiB to fragmentation and ran out of memory with 20 GiB allocated (Qwen3-4B on an
+    H200 capped at 24 GiB). Expandable segments map memory into one growing range instead. The setting is
+    process-wide, like `PYTORCH_CUDA_ALLOC_CONF`, which takes precedence when set."""
+    import os
+    import warnings
+
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    try:
+        if setter is not None:
+            setter("expandable_segments:True")
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (RuntimeError, AttributeError):  # an allocator without the option (e.g. a custom one)
+        return False
+    return True
+
+
 def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_index: int) -> int:
     """The RNG seed of one layer on one micro-batch of one pass: the forward and its recomputation draw the same
     masks whatever device or thread runs them."""
