@@ -46,7 +46,7 @@ def stage_memory(costs: LayerCosts, kind: str, span: Span, recompute: str) -> fl
     whole_graph = kind == "FB" or (kind == "B" and recompute == "stage")
     largest = max(costs.act_bytes[i] for i in layers)
     acts = sum(costs.act_bytes[i] for i in layers) if whole_graph else largest
-    working_set = 0 if kind == "F" else largest  # a backward holds gradients of about one layer's activations
+    working_set = 0 if kind == "F" else max(costs.work_bytes[i] for i in layers)  # the running layer's peak
     return 2 * params + grads + acts + working_set + 2 * max(costs.input_bytes)
 
 

@@ -26,6 +26,9 @@ class LayerCosts:
             what its backward needs.
         input_bytes: the layer's input of one micro-batch: what crosses PCIe between stages and is kept on the host
             for recomputation.
+        work_bytes: transient memory above what the layer keeps: the peak of its backward (the gradients of its
+            activations, temporaries of its kernels) or of its forward beyond `act_bytes`, whichever is larger.
+            Default: `act_bytes` (a layer's backward holds gradients of about its activations' size).
 
     Byte fields default to zeros (a time-only profile). Sequences are stored as tuples, so instances hash.
     """
@@ -37,14 +40,16 @@ class LayerCosts:
     grad_bytes: tuple[float, ...] | None = None
     act_bytes: tuple[float, ...] | None = None
     input_bytes: tuple[float, ...] | None = None
+    work_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
-        defaults = {"recompute_s": self.forward_s}
+        defaults = {"recompute_s": self.forward_s, "work_bytes": self.act_bytes}
         for f in fields(self):
             values = getattr(self, f.name)
             if values is None:
-                values = defaults.get(f.name, (0,) * n)
+                values = defaults.get(f.name)
+                values = (0,) * n if values is None else values
             values = tuple(values)
             if len(values) != n:
                 raise ValueError(f"LayerCosts.{f.name} has {len(values)} entries; forward_s has {n} (one per layer).")

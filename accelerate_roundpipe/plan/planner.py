@@ -16,8 +16,8 @@ direction; PCIe is full duplex, so upload and download are timed apart and overl
              + G (B and FB)
              + activations of one micro-batch: sum(act_bytes) where the stage keeps its whole graph (FB; B with
                recompute='stage'), max(act_bytes) where one layer's is live at a time (F; B with recompute='layer')
-             + max(act_bytes) for B and FB: the backward working set (a layer's backward holds gradients of about its
-               activations' size; measured on an H200, leaving it out let a fused stage run out of memory)
+             + max(work_bytes) for B and FB: the working set of the layer running (its backward's gradients and
+               temporaries, measured as a peak; leaving it out let a fused stage run out of memory on an H200)
              + 2X (the micro-batch's input and output, or their gradients, in flight)
 
 With recompute='stage' a forward stage also downloads the inputs kept for the backward stages starting inside it (a
@@ -105,6 +105,7 @@ class StageCostModel:
         self._acts = prefix(costs.act_bytes)
         self._inputs = prefix(costs.input_bytes)
         self._act = [float(a) for a in costs.act_bytes]
+        self._work = [float(w) for w in costs.work_bytes]
         self._boundary = float(max(costs.input_bytes, default=0))
 
     def compute(self, kind: TaskKind, start: int, stop: int) -> float:
@@ -133,7 +134,7 @@ class StageCostModel:
             "prefetch": params,
             "gradients": 0.0 if kind is F else self._grads[stop] - self._grads[start],
             "activations": self._acts[stop] - self._acts[start] if whole_graph else max(self._act[start:stop]),
-            "backward working set": 0.0 if kind is F else max(self._act[start:stop]),
+            "backward working set": 0.0 if kind is F else max(self._work[start:stop]),
             "in flight": 2 * self._boundary,
         }
 
@@ -142,10 +143,11 @@ class StageCostModel:
         params = self._params[stop] - self._params[start]
         if kind is F:
             return 2 * params + max(self._act[start:stop]) + 2 * self._boundary
-        largest = max(self._act[start:stop])
-        acts = self._acts[stop] - self._acts[start] if kind is FB or not self._layer_grain else largest
-        # + largest: a layer's backward holds gradients of about its own activations' size while it runs.
-        return 2 * params + self._grads[stop] - self._grads[start] + acts + largest + 2 * self._boundary
+        whole_graph = kind is FB or not self._layer_grain
+        acts = self._acts[stop] - self._acts[start] if whole_graph else max(self._act[start:stop])
+        # + the largest working set: a layer's backward (or a forward's temporaries) on top of what is kept.
+        return 2 * params + self._grads[stop] - self._grads[start] + acts + max(self._work[start:stop]) \
+            + 2 * self._boundary
 
     def cost(self, kind: TaskKind, start: int, stop: int) -> float:
         """The stage's time, or infinity when it does not fit the memory budget."""

@@ -497,7 +497,8 @@ class RoundPipe(nn.Module):
                     break
                 scale = (rows / count) / (rows / num_mb)  # micro-batch rows relative to the measured pass
                 scaled = dataclasses.replace(costs, act_bytes=[a * scale for a in costs.act_bytes],
-                                             input_bytes=[b * scale for b in costs.input_bytes])
+                                             input_bytes=[b * scale for b in costs.input_bytes],
+                                             work_bytes=[w * scale for w in costs.work_bytes])
                 try:
                     partition = plan_one_device(scaled, settings_for(count))
                 except ValueError:

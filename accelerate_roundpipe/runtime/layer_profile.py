@@ -1,10 +1,11 @@
 """Per-layer costs measured on a training pass, for the planner (`plan/planner.py`, `plan/one_device.py`).
 
 While a pass is profiled, the workers time every layer run (CUDA events on the compute stream, read after the pass,
-so nothing waits on the GPU; wall time on CPU workers), and on CUDA read the caching allocator's counter around each
-forward that builds a graph: the growth is the activation memory the layer holds for its backward (a host-side
-counter, no device sync). Forwards without a graph give `forward_s`, forwards with a graph `recompute_s`, the per-layer
-backward segments `backward_s`.
+so nothing waits on the GPU; wall time on CPU workers), and on CUDA read the caching allocator's counters around each
+forward that builds a graph and each backward (host-side counters, no device sync): a forward's growth is the
+activation memory the layer keeps for its backward (`act_bytes`); the peak above that, in the forward or in the
+backward, is its working set (`work_bytes`). Forwards without a graph give `forward_s`, forwards with a graph
+`recompute_s`, the per-layer backward segments `backward_s`.
 """
 
 from __future__ import annotations
@@ -56,20 +57,31 @@ class LayerProfile:
         self._timers: dict[tuple[str, int], list[_Timer]] = defaultdict(list)
         self._act_bytes: dict[int, int] = defaultdict(int)
         self._input_bytes: dict[int, int] = defaultdict(int)
+        self._work_bytes: dict[int, int] = defaultdict(int)
 
     @contextmanager
     def measure(self, kind: str, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
         stream = device.compute_stream if device.is_cuda else None
-        graph = kind == FORWARD_WITH_GRAPH and device.is_cuda
-        before = torch.cuda.memory_allocated(device.device) if graph else 0
+        memory = device.is_cuda and kind != FORWARD
+        if memory:
+            # The allocator's peak counter, reset here, gives this layer's transient peak (only while profiling:
+            # a user reading max_memory_allocated afterwards sees the peak since the measured pass).
+            torch.cuda.reset_peak_memory_stats(device.device)
+            before = torch.cuda.memory_allocated(device.device)
         timer = _Timer(stream)
         yield
         timer.stop(stream)
-        grown = torch.cuda.memory_allocated(device.device) - before if graph else 0
+        grown = work = 0
+        if memory:
+            after = torch.cuda.memory_allocated(device.device)
+            peak = torch.cuda.max_memory_allocated(device.device) - before
+            grown = after - before if kind == FORWARD_WITH_GRAPH else 0
+            work = max(0, peak - max(grown, 0))
         size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
         with self._lock:
             self._timers[(kind, layer)].append(timer)
             self._act_bytes[layer] = max(self._act_bytes[layer], grown)
+            self._work_bytes[layer] = max(self._work_bytes[layer], work)
             if inputs:
                 self._input_bytes[layer] = max(self._input_bytes[layer], size)
 
@@ -93,4 +105,5 @@ class LayerProfile:
             grads.append(sum(b.compute.numel() * b.compute.element_size() for b in buckets if b.trainable))
         return LayerCosts(forward_s=forward, backward_s=backward, recompute_s=recompute, param_bytes=params,
                           grad_bytes=grads, act_bytes=[self._act_bytes[i] for i in range(self.num_layers)],
-                          input_bytes=[self._input_bytes[i] for i in range(self.num_layers)])
+                          input_bytes=[self._input_bytes[i] for i in range(self.num_layers)],
+                          work_bytes=[max(self._work_bytes[i], self._act_bytes[i]) for i in range(self.num_layers)])
