@@ -18,7 +18,8 @@ What is held equal so that the three tokens/s compare (the Trainer's choices, co
   by the engine; no gradient clipping (`max_grad_norm=0`; the Trainer then measures the norm it logs on the optimizer
   thread, one step late, which is part of its path);
 - the loss read on the host every step (`loss.item()`): the Trainer does that itself (its NaN filter and
-  `logging_steps=1`), so the two loops do it too;
+  `logging_steps=1` in the tests; the command line uses `logging_steps=10`, as a user logging often would), so the two
+  loops do it too;
 - compute dtype: the model's own. A bfloat16 model gets `mixed_precision="bf16"` / `bf16=True` on the integration
   paths, which means bfloat16 compute copies with float32 optimizer copies there, as the engine does for it.
 
@@ -35,6 +36,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,9 +267,9 @@ def _training_args_value(value: Any) -> Any:
 
 
 def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, warm: int, iters: int,
-                lr: float = 1e-5) -> dict:
+                lr: float = 1e-5, logging_steps: int = 1) -> dict:
     """`RoundPipeTrainer` + `RoundPipeTrainingArguments` (per_device_train_batch_size = rows, max_steps = warm +
-    iters, the batch's rows repeated, sequential sampling, logging_steps=1, no evaluation or saving), timed by a
+    iters, the batch's rows repeated, sequential sampling, `logging_steps`, no evaluation or saving), timed by a
     callback (on_step_begin of the first timed step to on_step_end of the last)."""
     from transformers import TrainerCallback, TrainingArguments
 
@@ -310,7 +312,7 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
             max_steps=warm + iters, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
             optim="adamw_torch_fused", weight_decay=ADAMW["weight_decay"], adam_beta1=ADAMW["betas"][0],
             adam_beta2=ADAMW["betas"][1], adam_epsilon=ADAMW["eps"], max_grad_norm=0.0, bf16=bf16,
-            logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+            logging_steps=logging_steps, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
             dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(),
             use_cpu=not torch.cuda.is_available(), **sequential, **roundpipe)
         try:
@@ -321,7 +323,8 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
             return _result(clock, losses, rows, seq, _microbatches(engine, rows), meter,
                            {"api": "RoundPipeTrainer + RoundPipeTrainingArguments", "bf16": bf16,
                             "optimizer": _describe(trainer.optimizer.optimizer.inner),
-                            "max_grad_norm": 0.0, "lr_scheduler_type": "constant", "logging_steps": 1})
+                            "max_grad_norm": 0.0, "lr_scheduler_type": "constant",
+                            "logging_steps": logging_steps})
         finally:
             _close(trainer.roundpipe_engine if trainer is not None else None)
             _reset_accelerate_state()
@@ -463,7 +466,7 @@ def make_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict:
 
 
 def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
-            peak_tflops: float) -> dict:
+            peak_tflops: float, trainer_logging_steps: int = 10) -> dict:
     w = WORKLOADS[workload]
     record = {"workload": workload, "system": system, "seq": seq, "global_batch": w["gb"],
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": git_commit(),
@@ -482,7 +485,8 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
         model_config = getattr(model, "config", None)
         fpt = flops_per_token(model_config, seq, w["lora"])
         batch = make_batch(model_config.vocab_size, w["gb"], seq)
-        result = PATHS[system](model, config, batch, warm, iters, lr)
+        extra = {"logging_steps": trainer_logging_steps} if system == "roundpipe-trainer" else {}
+        result = PATHS[system](model, config, batch, warm, iters, lr, **extra)
     except Exception as error:  # noqa: BLE001 -- a failed configuration is a result too
         status = "OOM" if is_oom(error) else "ERROR"
         print(f"[paths] {workload} {system} seq={seq}: {status} {error!r}", file=sys.stderr, flush=True)
@@ -490,7 +494,10 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
                 "status": status, "error": repr(error)[:600], "settings": settings}
     settings.update(num_microbatches=result["num_microbatches"], path=result["path"], step_s=result["step_s"])
     mfu = fpt * result["tokens_per_s"] / (peak_tflops * 1e12) if peak_tflops else None
+    median_step = statistics.median(result["step_s"][warm:])
     return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
+            # Steady state as the reference's and the in-GPU anchors' scripts report it: the median timed step.
+            "tokens_per_s_median_step": round(w["gb"] * seq / median_step, 1),
             "mfu": None if mfu is None else round(mfu, 3), "gpu_peak_gib": result["gpu_peak_gib"],
             "host_peak_gib": result["host_peak_gib"], "status": "ok", "losses": [round(v, 5) for v in
                                                                                result["losses"]],

@@ -166,8 +166,16 @@ class RoundPipeTrainer(Trainer):
             if self._late_grad_norm is not None:
                 self._late_grad_norm.close()
             self._late_grad_norm = LateGradNorm(engine, lagged)
-        self._late_grad_norm.before_step(self.state.global_step)
-        return self._late_grad_norm.newest_norm(self.state.global_step - 1)  # [Note: late grad norm]
+        step = self.state.global_step  # the index of the step being taken; it is step number step + 1
+        self._late_grad_norm.before_step(step, measure=self._next_step_logs(step + 1))
+        return self._late_grad_norm.newest_norm(step - 1)  # [Note: late grad norm]
+
+    def _next_step_logs(self, step_number: int) -> bool:
+        """Whether the step after step number `step_number` logs (the grad norm it reports is of this step)."""
+        every = self.state.logging_steps or self.args.logging_steps
+        if getattr(self.args.logging_strategy, "value", self.args.logging_strategy) != "steps" or not every:
+            return True  # epoch-based or unknown logging: measure every step
+        return every <= 1 or (step_number + 1) % int(every) == 0
 
     # ------------------------------------------------------------------ checkpoints
 

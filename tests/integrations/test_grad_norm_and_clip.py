@@ -85,3 +85,25 @@ def test_late_norm_equals_the_exact_norm_of_the_previous_step():
     assert meter.norm_of(2) == pytest.approx(expected[2], rel=1e-5)
     meter.close()
     engine.close()
+
+
+def test_late_norm_measures_only_the_steps_asked_for():
+    """Steps tagged `measure=False` cost nothing on the optimizer thread and are never reported."""
+    model = tiny_llama()
+    engine = wrap_model(model, RoundPipeConfig(**{**CPU_WORKERS, "async_optimizer": True}))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    meter = LateGradNorm(engine, optimizer)
+    norms = []
+    for step in range(4):
+        engine.forward_backward(**lm_batch(seed=step))
+        if step == 2:
+            engine.synchronize()
+            norms.append(torch.nn.utils.clip_grad_norm_(list(engine.parameters()), float("inf")).item())
+        meter.before_step(step, measure=step == 2)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    assert meter.newest_norm(1) is None  # steps 0 and 1 were not measured
+    assert meter.newest_norm(3) == pytest.approx(norms[0], rel=1e-5)  # step 3 was not measured either
+    meter.close()
+    engine.close()
