@@ -28,6 +28,7 @@ from .sync import FailureFlag, SerialExecutor, mark_engine_thread
 
 logger = logging.getLogger(__name__)
 _NO_PROFILE = contextlib.nullcontext()
+MAX_TASKS_AHEAD = 2  # tasks the worker thread may queue ahead of the GPU ([Note: bounded run-ahead])
 
 
 def as_tuple(value, what: str) -> tuple[torch.Tensor, ...]:
@@ -110,6 +111,7 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-{device}", daemon=True)
         self.committer: SerialExecutor | None = None
         self.schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for error reports
+        self._task_ends: collections.deque = collections.deque()  # end events of queued tasks ([Note: bounded ...])
 
     def start(self) -> None:
         self.committer = SerialExecutor(self.failure, f"roundpipe-commit-{self.device}")
@@ -301,16 +303,32 @@ class Worker:
         """Run one task; True when its commit thread will set `job.done`."""
         faults.point("worker.task")
         run = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused}.get(job.task.kind, self._backward_task)
+        self._bound_run_ahead()
         with self.device.compute(), maybe_span(self.trace, f"{self.device} host", str(job.task)):
-            if self.trace is None or not self.device.is_cuda:
-                return run(job)
-            start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
-            start.record(self.device.compute_stream)
             try:
-                return run(job)
+                if self.trace is None or not self.device.is_cuda:
+                    return run(job)
+                start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
+                start.record(self.device.compute_stream)
+                try:
+                    return run(job)
+                finally:
+                    end.record(self.device.compute_stream)
+                    self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start,
+                                             end)
             finally:
-                end.record(self.device.compute_stream)
-                self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
+                if self.device.is_cuda:
+                    self._task_ends.append(self.device.compute_stream.record_event())
+
+    def _bound_run_ahead(self) -> None:
+        """[Note: bounded run-ahead]
+        Nothing else stops the worker thread from queueing kernels many tasks ahead of the GPU, and every task it
+        passes keeps memory alive until the GPU catches up (parameter copies and gradient buffers used on several
+        streams are freed only then). Under a tight memory budget that filled a 24 GiB card whatever the plan, so
+        a task starts only when the GPU has finished all but the last `MAX_TASKS_AHEAD` tasks (a host-side wait on
+        an event of work already queued: it cannot deadlock, and a lead of that many tasks keeps the GPU fed)."""
+        while len(self._task_ends) >= MAX_TASKS_AHEAD:
+            self._task_ends.popleft().synchronize()
 
     def _save_input(self, job: TaskJob, layer: int, mb: int, h: tuple) -> None:
         """Keep a layer input for the backward's recomputation: on this device when the backward runs here and
