@@ -219,7 +219,7 @@ def anchor_entries(records: list[tuple[str, dict]], section_system: dict[str, st
 
 
 def our_entries(records: list[tuple[str, dict]]) -> list[dict]:
-    """Our records (`workload` + `system`), and the older `benchmarks/hf_fullft.py` lines (system
+    """Our records (`workload` + `system`), and the lines of the first-session script `hf_fullft.py` (since replaced by `paths.py`) (system
     "accelerate_roundpipe"), as run entries."""
     entries = []
     for name, record in records:
