@@ -219,8 +219,8 @@ def anchor_entries(records: list[tuple[str, dict]], section_system: dict[str, st
 
 
 def our_entries(records: list[tuple[str, dict]]) -> list[dict]:
-    """Our records (`workload` + `system`), and the lines of the first-session script `hf_fullft.py` (since replaced by `paths.py`) (system
-    "accelerate_roundpipe"), as run entries."""
+    """Our records (`workload` + `system`), and the lines of the first-session script `hf_fullft.py` (system
+    "accelerate_roundpipe"; since replaced by `paths.py`), as run entries."""
     entries = []
     for name, record in records:
         if "workload" in record and "system" in record:
