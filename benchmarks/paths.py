@@ -517,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per-GPU dense bf16 peak for the MFU")
     parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
+    parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
+                        "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
+    parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
     parser.add_argument("--recompute", default=None, choices=["stage", "layer"])
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--out", required=True, help="JSONL file the records are appended to")
@@ -531,6 +534,10 @@ def main(argv: list[str] | None = None) -> None:
     for nms in (None if v == "auto" else int(v) for v in args.nms.split(",")):
         for seq in seqs:
             extra = {"gpu_memory_budget": w["cap"]} if w["cap"] and any(d.startswith("cuda") for d in devices) else {}
+            if args.budget:
+                extra["gpu_memory_budget"] = args.budget
+            if args.trace_dir:
+                extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w["gb"]), kernels=args.kernels,
                                      recompute=args.recompute, **extra)
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
