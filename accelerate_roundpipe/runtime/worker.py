@@ -387,6 +387,9 @@ class Worker:
             with torch.enable_grad():
                 segments, h = self._forward_segments(job, params, task.span.layers, mb, inputs)
                 loss = self._loss(state, h, mb)
+                # The loss goes to the caller before its backward runs: the caller then queues the next pass while
+                # the GPU still works on this one, so the next task's uploads start without a drained pipeline.
+                state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
                 top = segments[0]
                 if loss.requires_grad:
                     weighted = loss * state.loss_weights[mb]
@@ -395,7 +398,6 @@ class Worker:
                                                   commits if j == len(mbs) - 1 else None)
                 else:
                     grads = _input_grads(inputs)
-            state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
             job.outputs[j].set(self._send_next(job, grads))
         self._release(params)
         return self._finish_commits(job, params, commits)
