@@ -116,6 +116,10 @@ class RoundPipeConfig:
         kernels (`str`, env `ROUNDPIPE_KERNELS`): fused decoder-layer kernels for Hugging Face models: "auto"
             applies Liger-Kernel's RMSNorm, SwiGLU and RoPE when it is installed and every device is a GPU;
             "liger" requires them; "none" runs the model's own layers. Default: "auto".
+        mlp_chunk_tokens (`int`, env `ROUNDPIPE_MLP_CHUNK_TOKENS`): for Hugging Face models, run each decoder
+            layer's dense MLP over chunks of this many tokens when a micro-batch has more, keeping only the MLP's
+            input for the backward (see `models/tiled_mlp.py`): long sequences fit in less GPU memory for one more
+            MLP forward per backward. Default: off.
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
@@ -155,6 +159,8 @@ class RoundPipeConfig:
         "help": "Peak dense TFLOP/s of one device, for the MFU in training logs. Default: unknown (no MFU)."})
     kernels: str | None = field(default=None, metadata={
         "help": "Fused layer kernels for HF models: 'auto' (Liger when installed, on GPUs), 'liger', 'none'."})
+    mlp_chunk_tokens: int | None = field(default=None, metadata={
+        "help": "HF models: run dense MLPs over chunks of this many tokens (long sequences). Default: off."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
 
@@ -210,6 +216,11 @@ class RoundPipeConfig:
             self.kernels = str(self.kernels).strip().lower()
             if self.kernels not in KERNEL_CHOICES:
                 raise ValueError(f"kernels (env {env}KERNELS)={self.kernels!r}; choose one of {list(KERNEL_CHOICES)}.")
+        if self.mlp_chunk_tokens is not None:
+            self.mlp_chunk_tokens = int(self.mlp_chunk_tokens)
+            if self.mlp_chunk_tokens < 1:
+                raise ValueError(f"mlp_chunk_tokens (env {env}MLP_CHUNK_TOKENS) must be >= 1, got "
+                                 f"{self.mlp_chunk_tokens}.")
         if self.gpu_memory_budget is not None:
             self.gpu_memory_budget = _gib(self.gpu_memory_budget, env + "GPU_MEMORY_BUDGET")
 

@@ -520,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=None, help="tile dense MLPs above this many tokens")
     parser.add_argument("--recompute", default=None, choices=["stage", "layer"])
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--out", required=True, help="JSONL file the records are appended to")
@@ -536,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
             extra = {"gpu_memory_budget": w["cap"]} if w["cap"] and any(d.startswith("cuda") for d in devices) else {}
             if args.budget:
                 extra["gpu_memory_budget"] = args.budget
+            if args.mlp_chunk_tokens:
+                extra["mlp_chunk_tokens"] = args.mlp_chunk_tokens
             if args.trace_dir:
                 extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w["gb"]), kernels=args.kernels,

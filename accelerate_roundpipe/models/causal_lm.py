@@ -22,6 +22,7 @@ from ..runtime.engine import RoundPipe
 from .kernels import apply_fused_kernels
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
+from .tiled_mlp import tile_mlps
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
@@ -52,6 +53,9 @@ class CausalLMRoundPipe(RoundPipe):
         config = config if config is not None else RoundPipeConfig()
         kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
+        if config.mlp_chunk_tokens is not None:
+            tile_mlps([layer.decoder_layer for layer in split.layers if hasattr(layer, "decoder_layer")],
+                      config.mlp_chunk_tokens)
         super().__init__(model, config, layers=split.layers)
         object.__setattr__(self, "split", split)
         self.fused_kernels = kernels_applied  # Liger kernels applied to the decoder layers (see models/kernels.py)

@@ -10,6 +10,7 @@ P="python benchmarks/paths.py --out $OUT/ours.jsonl"
 W=qwen3-1.7b-full-s4096-b8
 # 1. the 24 GiB cap (bounded run-ahead + working-set planner are untested there)
 step 90 $P --warm 2 --iters 1 --workload qwen3-1.7b-cap24-b1 --system roundpipe-engine --nms auto --seqs 65536,131072
+step 120 $P --warm 2 --iters 1 --workload qwen3-1.7b-cap24-b1 --system roundpipe-engine --nms auto --seqs 65536,131072,196608,262144 --mlp-chunk-tokens 8192
 step 70 $P --warm 2 --iters 2 --workload qwen3-4b-full-s4096-b8-cap24 --system roundpipe-engine --nms auto
 # 2. the main workload three ways, 8 timed steps, with a trace of the engine run for the idle-between-iterations target
 step 60 $P --warm 2 --iters 8 --workload $W --system roundpipe-engine --nms auto --trace-dir $OUT
