@@ -181,3 +181,16 @@ def test_saved_inputs_kept_on_the_reading_worker(monkeypatch, num_devices, expec
                                         recompute=recompute, **PARTITIONS["hand"])
     check(loss, grads, ref_loss, ref_grads)
     assert kept and not any(kept)  # no budget on CPU workers: the host path, as on a GPU
+
+
+def test_layer_copies_hold_no_device_tensors_between_tasks():
+    """After a task its layer copies are unbound: a bound view would keep the task's whole parameter flat and its
+    gradient buffer alive on the device until the layer ran again."""
+    model = tied_model()
+    x, mask, y = batch(rows=6)
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=3))
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.synchronize()
+    copies = [c for w in engine._background.workers for c in w.copies.values()]
+    assert copies and all(module._parameters[attr] is None for c in copies for module, attr, _, _ in c._targets)
+    engine.close()

@@ -33,6 +33,13 @@ class LayerCopy:
         for module, attr, bucket_index, slot_index in self._targets:
             module._parameters[attr] = views[bucket_index][slot_index]
 
+    def unbind(self) -> None:
+        """Drop the task's tensors: a bound view keeps its whole uploaded flat (and, through `.grad`, its gradient
+        buffer) alive on the device, so a copy left bound after its task would hold every layer's parameters and
+        gradients on the GPU at once (on a 24 GiB card that was the difference between fitting and not)."""
+        for module, attr, _, _ in self._targets:
+            module._parameters[attr] = None
+
     def set_training(self, training: bool) -> None:
         if self.module.training != training:
             self.module.train(training)

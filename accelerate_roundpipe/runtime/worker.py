@@ -317,6 +317,8 @@ class Worker:
                     self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start,
                                              end)
             finally:
+                for layer in job.task.span.layers:
+                    self._copy(layer).unbind()
                 if self.device.is_cuda:
                     self._task_ends.append(self.device.compute_stream.record_event())
 
