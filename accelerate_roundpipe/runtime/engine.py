@@ -6,7 +6,6 @@ makes the results independent of thread timing. Call the engine from one thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import weakref
@@ -19,9 +18,7 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..plan.layer_costs import LayerCosts
-from ..plan.one_device import plan_one_device
 from ..plan.partition import Partition, plan_partition
-from ..plan.planner import PlanSettings, StageCostModel, plan_from_costs
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
@@ -29,15 +26,12 @@ from .deferred import DeferredCommit, DeferredLoss, resolve_job
 from .device import Device, Payload, use_expandable_segments
 from .host_store import HostStore
 from .jobs import PassState, TaskJob, split_rows
-from .layer_profile import LayerProfile
+from .measured_plan import MeasuredPlan
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future, SerialExecutor
 from .worker import Worker
 
 _KEEP_SCHEDULES = 4
-SAVED_INPUT_SHARE = 0.25  # of the memory budget, for saved layer inputs kept on the device ([Note: saved inputs])
-PLAN_SHARE = 0.8  # of the memory budget, for the stages the planner sizes ([Note: measured plan])
-PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure for the planner's transfer times
 logger = logging.getLogger(__name__)
 
 
@@ -137,12 +131,7 @@ class RoundPipe(nn.Module):
         self._inflight: list[Future] = []
         self._schedules: dict[int, list[Task]] = {}
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
-        self._keep_limit_bytes = self._saved_input_limit()
-        # [Note: measured plan] the first training pass is measured (`_profile`), the next one re-plans from it.
-        self._profile: tuple[LayerProfile, list[TaskJob], int] | None = None
-        self._measure_next_pass = self.config.resolved_plan == "measured"
-        self.layer_costs: LayerCosts | None = None
-        self._chosen_microbatches: int | None = None  # chosen by the measured plan when num_microbatches is unset
+        self._plan = MeasuredPlan(self.config, self.devices, self._store)  # [Note: measured plan]
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
@@ -159,6 +148,12 @@ class RoundPipe(nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    @property
+    def layer_costs(self) -> LayerCosts | None:
+        """Per-layer costs measured on the first training pass ([Note: measured plan]); None before, or with a
+        static plan."""
+        return self._plan.layer_costs
 
     @property
     def optimizer(self) -> LaggedOptimizer | None:
@@ -214,12 +209,10 @@ class RoundPipe(nn.Module):
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
-        if self._measure_next_pass:
-            self._measure_next_pass = False
-            state.profile = LayerProfile(len(self.layers))
+        state.profile = self._plan.profile_for_pass(len(self.layers))
         jobs = self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         if state.profile is not None:
-            self._profile = (state.profile, jobs, num_mb, rows)
+            self._plan.measured(state.profile, jobs, num_mb, rows)
         self._release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
             losses = [f.get(self._failure).host()[0] for f in state.losses]
@@ -372,8 +365,7 @@ class RoundPipe(nn.Module):
     def _before_pass(self) -> None:
         self._failure.check()
         self.drop_pending_gradients()
-        if self._profile is not None:
-            self._replan()
+        self.partition = self._plan.replan(self.partition, self._failure)
         if self.optimizer is None:
             for bucket in self._store.trainable_buckets:
                 if bucket.optim._version != bucket.optim_version_seen:
@@ -421,103 +413,12 @@ class RoundPipe(nn.Module):
         """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
         choice, else twice the device count; never more than the rows."""
         requested = self.config.num_microbatches
-        return min(requested if requested is not None else self._chosen_microbatches or 2 * len(self.devices), rows)
+        chosen = self._plan.chosen_microbatches
+        return min(requested if requested is not None else chosen or 2 * len(self.devices), rows)
 
     def _release_writebacks(self) -> None:
         if self.optimizer is not None:
             self.optimizer.release_writebacks()
-
-    def _memory_budget_bytes(self) -> float | None:
-        budget_gib = self.config.gpu_memory_budget
-        cuda = [d.device for d in self.devices if d.is_cuda]
-        if budget_gib is None and cuda:
-            budget_gib = min(torch.cuda.get_device_properties(d).total_memory for d in cuda) / 2**30
-        return None if budget_gib is None else budget_gib * 2**30
-
-    def _replan(self) -> None:
-        """[Note: measured plan]
-        After the measured pass has finished (its CUDA events are read here, once), choose the partition from the
-        measured costs: one device takes `plan_one_device` (no recomputation where memory allows), several take
-        `plan_from_costs` (the slowest stage as fast as memory allows). The planner works with `PLAN_SHARE` of the
-        budget (the CUDA context, allocator slack and transfers in flight take the rest); saved inputs may then stay
-        on the device only in what the largest planned stage leaves free (none during the measured pass itself, whose
-        unplanned stages could otherwise run out of memory under a tight budget). If no plan fits, the current
-        partition (which just ran) is kept."""
-        profile, jobs, num_mb, rows = self._profile
-        self._profile = None
-        for job in jobs:
-            job.done.get(self._failure)
-        self.layer_costs = profile.costs(self._store)
-        budget = self._memory_budget_bytes()
-        if budget is None:  # CPU workers: no memory limit to plan against
-            budget = float(sum(self.layer_costs.param_bytes) * 4 + sum(self.layer_costs.act_bytes) * num_mb + 1)
-        try:
-            partition, settings, chosen = self._plan_from(self.layer_costs, budget, num_mb, rows)
-        except ValueError as error:
-            logger.warning("RoundPipe kept the partition %s: no plan from the measured costs fits (%s).",
-                           self.partition, error)
-            return
-        if chosen != num_mb:
-            logger.info("RoundPipe runs %d micro-batches per batch from now on (measured plan; set num_microbatches "
-                        "to choose).", chosen)
-            self._chosen_microbatches = chosen
-        model = StageCostModel(self.layer_costs, settings)
-        peak = max([model.memory(TaskKind.FORWARD, *s) for s in partition.forward]
-                   + [model.memory(TaskKind.BACKWARD, *s) for s in partition.backward[:-1]]
-                   + [model.memory(TaskKind.FUSED, *partition.fused)])
-        if self._memory_budget_bytes() is not None:  # GPUs: keep saved inputs in what the plan leaves free
-            self._keep_limit_bytes = max(0, int(budget * PLAN_SHARE - peak))
-        logger.info("RoundPipe re-planned from measured costs: %s (was %s).", partition, self.partition)
-        self.partition = partition
-
-    def _plan_from(self, costs: LayerCosts, budget: float, num_mb: int,
-                   rows: int) -> tuple[Partition, PlanSettings, int]:
-        """The partition (and micro-batch count) for measured `costs` of `num_mb` micro-batches of a `rows`-row batch.
-
-        One device without an explicit `num_microbatches`: the fewest micro-batches (larger ones keep the GPU busier
-        per kernel and per Python call; an H200 ran Qwen3-1.7B 11% faster with 1 than with 2) for which the whole
-        model fits the fused stage (no recomputation), activation bytes scaled with the micro-batch size; if none
-        does, the measured count with the largest fused stage that fits."""
-        per_round = self.config.microbatches_per_round
-        recompute = self.config.resolved_recompute
-
-        def settings_for(count: int) -> PlanSettings:
-            return PlanSettings(num_devices=len(self.devices), num_microbatches=min(per_round or count, count),
-                                gpu_memory_bytes=budget * PLAN_SHARE, pcie_bytes_per_s=PCIE_BYTES_PER_S,
-                                recompute=recompute)
-
-        if len(self.devices) > 1:
-            settings = settings_for(num_mb)
-            fields = ("num_devices", "num_microbatches", "gpu_memory_bytes", "pcie_bytes_per_s", "recompute")
-            planned = plan_from_costs(costs, **{f: getattr(settings, f) for f in fields})
-            return planned.partition, settings, num_mb
-        if self.config.num_microbatches is None:
-            for count in sorted({c for c in (1, 2, 4, 8, 16, 32) if c <= rows} | {num_mb}):
-                if count > num_mb * 64:
-                    break
-                scale = (rows / count) / (rows / num_mb)  # micro-batch rows relative to the measured pass
-                scaled = dataclasses.replace(costs, act_bytes=[a * scale for a in costs.act_bytes],
-                                             input_bytes=[b * scale for b in costs.input_bytes],
-                                             work_bytes=[w * scale for w in costs.work_bytes])
-                try:
-                    partition = plan_one_device(scaled, settings_for(count))
-                except ValueError:
-                    continue
-                if partition.forward == ():
-                    return partition, settings_for(count), count
-        return plan_one_device(costs, settings_for(num_mb)), settings_for(num_mb), num_mb
-
-    def _saved_input_limit(self) -> int:
-        """[Note: saved inputs]
-        The layer inputs a forward stage keeps for the backward's recomputation stay on the device when the task
-        that reads them runs on the same worker and the device's allocated memory stays under a limit: with the
-        measured plan, what the largest planned stage leaves of the budget ([Note: measured plan]); with a static
-        plan, `SAVED_INPUT_SHARE` of the budget. The rest takes the host round trip (download now, upload in the
-        backward). On one GPU with room this removes the largest PCIe traffic after the weights; under a tight
-        budget the inputs of the first layers stay, the others go to the host, and nothing changes in the maths."""
-        if self.config.resolved_plan == "measured":
-            return 0  # until the plan knows what the stages need (set by `_replan`)
-        return int((self._memory_budget_bytes() or 0) * SAVED_INPUT_SHARE)
 
     def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
         """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).
@@ -535,7 +436,7 @@ class RoundPipe(nn.Module):
             del self._schedules[old]
         store = self._store
         reader = self._saved_input_readers(tasks, state.mode)
-        state.keep_limit_bytes = self._keep_limit_bytes
+        state.keep_limit_bytes = self._plan.keep_limit_bytes
         previous: dict[int, list[Future]] = {}
         jobs = []
         for index, task in enumerate(tasks):
