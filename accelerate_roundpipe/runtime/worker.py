@@ -267,6 +267,8 @@ class Worker:
         """Download the gradients of `tickets`' buckets and let the commit thread add them to the host (so the
         device moves on at once); the commit of the task's `last` group sets `job.done`."""
         payload = self.device.download_grads([params.grads[b] for b, _ in tickets])
+        if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
+            self._unbind(job)
         self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
 
     def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
@@ -317,10 +319,13 @@ class Worker:
                     self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start,
                                              end)
             finally:
-                for layer in job.task.span.layers:
-                    self._copy(layer).unbind()
+                self._unbind(job)
                 if self.device.is_cuda:
                     self._task_ends.append(self.device.compute_stream.record_event())
+
+    def _unbind(self, job: TaskJob) -> None:
+        for layer in job.task.span.layers:
+            self._copy(layer).unbind()
 
     def _bound_run_ahead(self) -> None:
         """[Note: bounded run-ahead]
