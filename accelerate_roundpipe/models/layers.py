@@ -65,6 +65,12 @@ class EmbeddingLayer(nn.Module):
         return (hidden, attention_mask, position_ids, *extras)
 
 
+# Captured arguments are cached per layer copy only up to this size: the rotary tables of one long sequence (Qwen3 at
+# 131,072 tokens: 64 MiB per layer) would otherwise sit on the GPU once per decoder layer, while recomputing them
+# costs little beside the layer itself at such lengths.
+CAPTURE_CACHE_MAX_BYTES = 16 * 2**20
+
+
 class DecoderLayer(nn.Module):
     """One HF decoder layer, called with the arguments the model's own forward would give it.
 
@@ -99,7 +105,7 @@ class DecoderLayer(nn.Module):
         With the default mask and positions, the arguments depend only on the hidden state's shape, dtype and
         device, so they are captured once and reused: running the model's forward up to this layer (mask
         construction, rotary embeddings, decorators) in every layer of every micro-batch would keep the host, not
-        the GPU, the bottleneck."""
+        the GPU, the bottleneck. Arguments over `CAPTURE_CACHE_MAX_BYTES` (very long sequences) are not kept."""
         default = attention_mask.shape[-1] == 0 and position_ids.shape[-1] == 0
         key = (tuple(hidden.shape), hidden.dtype, hidden.device)
         if default and key in self._captured:
@@ -114,7 +120,14 @@ class DecoderLayer(nn.Module):
             position_ids=optional_positions(position_ids),
             use_cache=False,
         )
-        if default:
+        # The shell's hidden state is replaced in `forward` anyway; dropping it here keeps the cache from holding a
+        # micro-batch's activations (one hidden state per layer copy, on the device, for as long as the engine lives).
+        args, kwargs = captured
+        if "hidden_states" in kwargs:
+            captured = (args, {**kwargs, "hidden_states": None})
+        else:
+            captured = ((None, *args[1:]), kwargs)
+        if default and _tensor_bytes(captured) <= CAPTURE_CACHE_MAX_BYTES:
             if len(self._captured) >= 4:
                 self._captured.pop(next(iter(self._captured)))
             self._captured[key] = captured
@@ -122,7 +135,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, attention_mask, position_ids, *extras):
         args, kwargs = self._layer_arguments(hidden, attention_mask, position_ids)
-        # The real hidden state replaces the one the shell saw (its own `hidden.detach()`, possibly scaled).
+        # The real hidden state takes the place of the one the shell saw (dropped from the captured arguments).
         if "hidden_states" in kwargs:
             kwargs = {**kwargs, "hidden_states": hidden}
         else:
@@ -138,6 +151,14 @@ class DecoderLayer(nn.Module):
             router_outputs, attention_mask, extras[0], extras[1], self.router_top_k
         )
         return (_hidden_of(output), attention_mask, position_ids, router_counts, router_probs, *extras[2:])
+
+
+def _tensor_bytes(captured: tuple[tuple, dict]) -> int:
+    """Bytes of the tensors among captured layer arguments (the rotary tables, masks)."""
+    args, kwargs = captured
+    values = list(args) + list(kwargs.values())
+    values += [v for value in values if isinstance(value, (tuple, list)) for v in value]
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _hidden_of(layer_output):

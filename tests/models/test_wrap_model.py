@@ -137,3 +137,32 @@ def test_unsupported_model_and_unsupported_arguments():
     with pytest.raises(TypeError, match="keyword arguments"):
         engine.forward_backward(batch["input_ids"])
     engine.close()
+
+
+@pytest.mark.parametrize("cache_limit", [None, 0])
+def test_captured_layer_arguments_hold_no_activations(monkeypatch, cache_limit):
+    """The per-layer cache of captured arguments keeps the rotary tables and masks, never a micro-batch's hidden
+    state, and nothing at all over `CAPTURE_CACHE_MAX_BYTES` (very long sequences); the results do not change."""
+    from accelerate_roundpipe.models import layers
+
+    if cache_limit is not None:
+        monkeypatch.setattr(layers, "CAPTURE_CACHE_MAX_BYTES", cache_limit)
+    model = build_model("llama")
+    batch = make_batch("none")
+    ref_loss, ref_grads = hf_reference(model, batch)
+    engine = wrap_model(model, RoundPipeConfig(**CONFIG))
+    loss = engine.forward_backward(**batch)
+    engine.synchronize()
+    assert_close(loss, ref_loss, "loss")
+    for name, p in engine.named_parameters():
+        assert_close(p.grad, ref_grads[name], f"grad of {name}")
+    caches = [c.module._captured for w in engine._background.workers for c in w.copies.values()
+              if isinstance(c.module, layers.DecoderLayer)]
+    assert caches
+    if cache_limit == 0:
+        assert all(not cache for cache in caches)
+    else:
+        entries = [entry for cache in caches for entry in cache.values()]
+        assert entries and all((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]) is None
+                               for args, kwargs in entries)
+    engine.close()
