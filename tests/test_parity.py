@@ -194,3 +194,33 @@ def test_layer_copies_hold_no_device_tensors_between_tasks():
     copies = [c for w in engine._background.workers for c in w.copies.values()]
     assert copies and all(module._parameters[attr] is None for c in copies for module, attr, _, _ in c._targets)
     engine.close()
+
+
+def test_loss_returns_before_the_fused_backward_and_gradients_stay_exact(monkeypatch):
+    """The fused stage hands the loss over before its backward: with a slow backward, `forward_backward` returns
+    while the pass is still running, and synchronize() then gives the exact gradients."""
+    import time
+
+    from accelerate_roundpipe.runtime import worker
+
+    original = worker._backward
+    finished: list[float] = []
+
+    def slow_backward(outputs, grads):
+        time.sleep(0.2)
+        original(outputs, grads)
+        finished.append(time.perf_counter())
+
+    monkeypatch.setattr(worker, "_backward", slow_backward)
+    model = tied_model()
+    x, mask, y = batch(rows=4)
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, mask, y)
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"], num_microbatches=1, seed=0,
+                                                             backward_stages=[9]))
+    loss = engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    returned = time.perf_counter()
+    engine.synchronize()
+    assert len(finished) == 9 and returned < finished[-1]  # returned while the backward (9 x 0.2 s) was running
+    grads = {n: p.grad.clone() for n, p in engine.named_parameters()}
+    check(loss, grads, ref_loss, ref_grads)
+    engine.close()
