@@ -376,6 +376,9 @@ def collect(paths: list[str], gpu: str, date: str, commit: str | None = None,
 
 
 def git_commit() -> str:
+    """The commit a benchmark ran at: $BENCH_COMMIT (device calls copy a working tree without .git), else git's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parents[1])

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig  # noqa: E402
+from benchmarks.collect import git_commit  # noqa: E402
 
 
 class Block(nn.Module):
@@ -34,14 +33,6 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def build(depth: int, width: int, hidden: int) -> nn.Sequential:
@@ -93,7 +84,7 @@ def main() -> None:
     target = torch.randn(args.rows, args.width)
     results = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "settings": vars(args)}
-    results["commit"] = os.environ.get("BENCH_COMMIT") or _git_commit()
+    results["commit"] = git_commit()
     params = sum(p.numel() for p in build(1, args.width, args.hidden).parameters()) * args.depth
     results["params"] = params
 

@@ -35,9 +35,7 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipeConfig, wrap_model  # noqa: E402
+from benchmarks.collect import git_commit  # noqa: E402
 
 ADAMW = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # TrainingArguments' defaults
 
@@ -135,10 +134,6 @@ def _check(batch: dict, warm: int, iters: int) -> tuple[int, int]:
     return rows, seq
 
 
-def _microbatches(engine, rows: int) -> int:
-    return engine.num_microbatches_for(rows)
-
-
 def _result(clock: _Clock, losses: list[float], rows: int, seq: int, microbatches: int, meter: _Meter,
             path: dict) -> dict:
     iter_s = clock.iter_s()
@@ -200,7 +195,7 @@ def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, war
             optimizer.step()
             optimizer.zero_grad()
             clock.end(step)
-        return _result(clock, losses, rows, seq, _microbatches(engine, rows), meter,
+        return _result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter,
                        {"api": "wrap_model + forward_backward", "optimizer": _describe(optimizer.inner)})
     finally:
         _close(engine)
@@ -235,7 +230,7 @@ def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: 
             optimizer.step()
             optimizer.zero_grad()
             clock.end(step)
-        return _result(clock, losses, rows, seq, _microbatches(engine, rows), meter,
+        return _result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter,
                        {"api": "RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(...)) stock loop",
                         "mixed_precision": precision, "optimizer": _describe(optimizer.optimizer.inner)})
     finally:
@@ -320,7 +315,7 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
                                   callbacks=[Timing()])
             trainer.train()
             engine = trainer.roundpipe_engine
-            return _result(clock, losses, rows, seq, _microbatches(engine, rows), meter,
+            return _result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter,
                            {"api": "RoundPipeTrainer + RoundPipeTrainingArguments", "bf16": bf16,
                             "optimizer": _describe(trainer.optimizer.optimizer.inner),
                             "max_grad_norm": 0.0, "lr_scheduler_type": "constant",
@@ -447,17 +442,6 @@ def is_oom(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def make_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict:
