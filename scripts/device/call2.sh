@@ -1,13 +1,9 @@
 #!/bin/bash
 # Device call: GPU tests, then Qwen3-1.7B s4096 b8 (ours three ways + HF in-GPU Liger + reference RoundPipe), then
 # the 24 GiB-cap workloads for ours. Results: $OUT/ours.jsonl (paths.py) and $OUT/results.jsonl (anchors).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export BENCH_COMMIT=${BENCH_COMMIT:-unknown} PYTHONWARNINGS=ignore
+source "$(dirname "$0")/env.sh"
 timeout 100 python -m pytest tests/test_gpu.py tests/models/test_gpu_models.py -q -x -p no:cacheprovider 2>&1 | tail -8
 P="python benchmarks/paths.py --out $OUT/ours.jsonl --warm 2 --iters 4"
-W=qwen3-1.7b-full-s4096-b8
-step() { echo "=== $*"; timeout "$@" 2>&1 | grep -E "RESULT|Error|error|OOM|re-planned|Traceback" | cut -c1-600 | tail -8; }
 step 100 $P --workload $W --system roundpipe-engine --nms 1,2
 step 60 $P --workload $W --system roundpipe-accelerate-loop --nms 2
 step 60 $P --workload $W --system roundpipe-trainer --nms 2

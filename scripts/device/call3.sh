@@ -1,13 +1,9 @@
 #!/bin/bash
 # Device call: GPU tests; Qwen3-1.7B s4096 b8 with the defaults (ours: engine and Trainer; anchors: HF in-GPU + Liger,
 # reference RoundPipe) in one run; then the 24 GiB-cap workloads for ours (Qwen3-4B s4096 b8, Qwen3-1.7B batch 1 long).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export BENCH_COMMIT=${BENCH_COMMIT:-unknown} PYTHONWARNINGS=ignore
+source "$(dirname "$0")/env.sh"
 timeout 60 python -m pytest tests/test_gpu.py tests/models/test_gpu_models.py -q -x -p no:cacheprovider 2>&1 | tail -4
 P="python benchmarks/paths.py --out $OUT/ours.jsonl --warm 2 --iters 3"
-W=qwen3-1.7b-full-s4096-b8
-step() { echo "=== $*"; timeout "$@" 2>&1 | grep -E "RESULT|Error|OOM|micro-batches per|Traceback" | cut -c1-420 | tail -6; }
 step 75 $P --workload $W --system roundpipe-engine --nms auto
 step 75 $P --workload $W --system roundpipe-trainer --nms auto
 step 50 python .anchors/ingpu.py --model qwen3-1.7b --mode bf16 --liger --seqs 4096 --gb 8 --mbs 8 --iters 3 --section A1

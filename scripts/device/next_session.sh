@@ -2,12 +2,8 @@
 # Prepared for the next session's device time (not run yet): what the GPU speed issue still needs measured.
 # One part per device call (each fits the 10-minute limit): `bash scripts/device/next_session.sh caps|main|lora`.
 part=${1:?usage: next_session.sh caps|main|lora}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export BENCH_COMMIT=${BENCH_COMMIT:-unknown} PYTHONWARNINGS=ignore
-step() { echo "=== $*"; timeout "$@" 2>&1 | grep -E "RESULT|OOM|re-planned|Traceback" | cut -c1-400 | tail -6; }
+source "$(dirname "$0")/env.sh"
 P="python benchmarks/paths.py --out $OUT/ours.jsonl"
-W=qwen3-1.7b-full-s4096-b8
 case $part in
 caps)  # the 24 GiB cap: unbinding, capture cache, bounded run-ahead, working-set planner, tiled MLP are untested there
   timeout 90 python -m pytest tests/test_gpu.py tests/models/test_gpu_models.py -q -x -p no:cacheprovider 2>&1 | tail -4
