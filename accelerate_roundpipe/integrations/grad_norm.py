@@ -90,9 +90,7 @@ class LateGradNorm:
             self.engine.synchronize()
         with self._lock:
             squares = self._squares.get(step_index)
-            for old in [k for k in self._squares if k < step_index]:
-                self._squares.pop(old)
-                self._seen.pop(old, None)
+            self._forget_before(step_index)
         return None if squares is None else squares ** 0.5
 
     def newest_norm(self, at_most: int) -> float | None:
@@ -102,10 +100,14 @@ class LateGradNorm:
             if not done:
                 return None
             newest = max(done)
-            for old in [k for k in self._squares if k < newest]:
-                self._squares.pop(old)
-                self._seen.pop(old, None)
+            self._forget_before(newest)
             return self._squares[newest] ** 0.5
+
+    def _forget_before(self, step_index: int) -> None:
+        """Drop the measurements of steps before `step_index` (call with the lock held): nobody asks for them."""
+        for old in [k for k in self._squares if k < step_index]:
+            self._squares.pop(old)
+            self._seen.pop(old, None)
 
     def _measure(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         # Runs on the optimizer thread, inside one bucket's step: `param_groups` holds that bucket's parameters,

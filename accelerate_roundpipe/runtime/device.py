@@ -7,7 +7,9 @@ so the scheduler, the event protocol and the optimizer are exercised unchanged w
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -32,9 +34,6 @@ def use_expandable_segments() -> bool:
     segments a 24 GiB card lost 4 GiB to fragmentation and ran out of memory with 20 GiB allocated (Qwen3-4B on an
     H200 capped at 24 GiB). Expandable segments map memory into one growing range instead. The setting is
     process-wide, like `PYTORCH_CUDA_ALLOC_CONF`, which takes precedence when set."""
-    import os
-    import warnings
-
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
@@ -171,8 +170,10 @@ class Device:
     def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
         """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated
         memory passing `limit_bytes`."""
-        if not self.is_cuda or limit_bytes <= 0:
-            return limit_bytes > 0 and not self.is_cuda
+        if limit_bytes <= 0:
+            return False
+        if not self.is_cuda:
+            return True  # CPU workers: the limit only switches the path (tests exercise both)
         size = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return torch.cuda.memory_allocated(self.device) + size <= limit_bytes
 

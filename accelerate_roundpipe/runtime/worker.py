@@ -112,6 +112,7 @@ class Worker:
         self.committer: SerialExecutor | None = None
         self.schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for error reports
         self._task_ends: collections.deque = collections.deque()  # end events of queued tasks ([Note: bounded ...])
+        self._bound: range = range(0)  # layers whose copies hold the running task's tensors
 
     def start(self) -> None:
         self.committer = SerialExecutor(self.failure, f"roundpipe-commit-{self.device}")
@@ -221,6 +222,7 @@ class Worker:
             params.views[bucket_index] = views
         for layer in job.task.span.layers:
             self._copy(layer).bind(params.views)
+        self._bound = job.task.span.layers
         return params
 
     def _await_params(self, params: _TaskParams, layer_index: int) -> None:
@@ -239,9 +241,9 @@ class Worker:
         copy.set_training(job.state.training)
         versions = copy.buffer_versions()
         profile = job.state.profile
-        kind = FORWARD_WITH_GRAPH if torch.is_grad_enabled() else FORWARD
-        with (profile.measure(kind, layer_index, self.device, args) if profile is not None else _NO_PROFILE), \
-                self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
+        measure = _NO_PROFILE if profile is None else profile.measure(
+            FORWARD_WITH_GRAPH if torch.is_grad_enabled() else FORWARD, layer_index, self.device, args)
+        with measure, self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
             out = copy.module(*args)
         copy.check_stateless(versions)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
@@ -268,7 +270,7 @@ class Worker:
         device moves on at once); the commit of the task's `last` group sets `job.done`."""
         payload = self.device.download_grads([params.grads[b] for b, _ in tickets])
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
-            self._unbind(job)
+            self._unbind()
         self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
 
     def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
@@ -308,24 +310,29 @@ class Worker:
         self._bound_run_ahead()
         with self.device.compute(), maybe_span(self.trace, f"{self.device} host", str(job.task)):
             try:
-                if self.trace is None or not self.device.is_cuda:
-                    return run(job)
-                start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
-                start.record(self.device.compute_stream)
-                try:
-                    return run(job)
-                finally:
-                    end.record(self.device.compute_stream)
-                    self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start,
-                                             end)
+                return self._run_traced(run, job)
             finally:
-                self._unbind(job)
+                self._unbind()
                 if self.device.is_cuda:
                     self._task_ends.append(self.device.compute_stream.record_event())
 
-    def _unbind(self, job: TaskJob) -> None:
-        for layer in job.task.span.layers:
+    def _run_traced(self, run, job: TaskJob) -> bool:
+        """`run(job)`, with a GPU compute span in the trace when one is recorded."""
+        if self.trace is None or not self.device.is_cuda:
+            return run(job)
+        start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
+        start.record(self.device.compute_stream)
+        try:
+            return run(job)
+        finally:
+            end.record(self.device.compute_stream)
+            self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
+
+    def _unbind(self) -> None:
+        """Unbind the running task's layer copies (once: before its last commit, else when it ends)."""
+        for layer in self._bound:
             self._copy(layer).unbind()
+        self._bound = range(0)
 
     def _bound_run_ahead(self) -> None:
         """[Note: bounded run-ahead]
