@@ -125,6 +125,23 @@ def build_model(family: str, **overrides) -> nn.Module:
     return model.train()
 
 
+def lora_model(family: str, targets: tuple[str, ...] | list[str], **overrides) -> nn.Module:
+    """A PEFT LoRA model (r=4, no dropout) over a tiny float64 base of `family`. PEFT starts LoRA B at zero, so B is
+    made random here (with B = 0 the gradient of A would be zero and the check of A's gradients empty)."""
+    import peft
+
+    model = peft.get_peft_model(
+        build_model(family, **overrides),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets)),
+    )
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return model
+
+
 def _randomize_zero_initialised(model: nn.Module) -> None:
     """Some parameters start at zero or one (norm offsets, routers, sinks); make them random so tests see them."""
     generator = torch.Generator().manual_seed(1)

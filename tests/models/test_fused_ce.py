@@ -18,6 +18,7 @@ from split_helpers import (
     assert_same_gradients,
     build_model,
     gradients,
+    lora_model,
     make_batch,
     reference_loss,
     run_layers,
@@ -221,8 +222,9 @@ def build_from_config(config_name: str, model_name: str, **overrides):
         lambda: build_model("gemma2"),  # final_logit_softcapping=3.0
         lambda: build_from_config("GraniteConfig", "GraniteForCausalLM", logits_scaling=4.0),
         lambda: build_from_config("CohereConfig", "CohereForCausalLM", logit_scale=0.25),
+        lambda: pytest.importorskip("peft") and lora_model("llama", ["lm_head"]),  # a LoRA-wrapped head
     ],
-    ids=["gemma2-softcapping", "granite-logits-scaling", "cohere-logit-scale"],
+    ids=["gemma2-softcapping", "granite-logits-scaling", "cohere-logit-scale", "lora-on-the-lm-head"],
 )
 def test_families_that_change_the_logits_take_the_checkpointed_path(build, fused_calls):
     model = build()
@@ -233,25 +235,10 @@ def test_families_that_change_the_logits_take_the_checkpointed_path(build, fused
     assert_close(loss, reference_loss(model, batch), "loss vs HF")
 
 
-def test_lora_on_the_lm_head_takes_the_checkpointed_path(fused_calls):
-    peft = pytest.importorskip("peft")
-    model = build_model("llama")
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_dropout=0.0, target_modules=["lm_head"]))
-    batch = make_batch("right")
-    split = split_causal_lm(peft_model)
-    loss = run_layers(split.layers, split.prepare_inputs(**batch))
-    assert not fused_calls
-    assert_close(loss, reference_loss(peft_model, batch), "loss vs HF")
-
-
 def test_lora_elsewhere_uses_the_fused_path_with_a_frozen_head(fused_calls):
-    peft = pytest.importorskip("peft")
-    model = build_model("qwen3")
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj"]))
-    with torch.no_grad():  # LoRA B starts at zero; make the adapters matter
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.1)
+    pytest.importorskip("peft")
+    peft_model = lora_model("qwen3", ["q_proj"])
+    model = peft_model.get_base_model()
     batch = make_batch("mixed")
     split = split_causal_lm(peft_model)
     old_loss, old_grads = head_loss_and_grads(peft_model, split, batch, use_fused_loss=False)

@@ -10,27 +10,13 @@ import torch
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 
-from split_helpers import assert_close, build_model, make_batch, reference_loss
+from split_helpers import assert_close, build_model, lora_model, make_batch, reference_loss
 
 peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LR = 1e-2
 STEPS = 3
-
-
-def lora_model(family: str, targets=tuple(TARGETS)):
-    """A PEFT LoRA model over a tiny float64 base; LoRA B starts at zero in PEFT, so it is made random here (with B
-    = 0 the gradient of A would be zero and the check of A's gradients empty)."""
-    model = peft.get_peft_model(
-        build_model(family), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
-    )
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
-    return model
 
 
 def adapter_names(model) -> list[str]:
@@ -86,7 +72,7 @@ def _train(model, step_fn) -> None:
 @pytest.mark.parametrize("async_optimizer", [True, False])
 def test_adapters_saved_after_training_reload_with_the_trained_logits(tmp_path, async_optimizer):
     family = "llama"
-    model = lora_model(family)
+    model = lora_model(family, TARGETS)
     ref = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 

@@ -1,7 +1,6 @@
 """Tied embeddings stay one Parameter; PEFT LoRA adapters train inside the layers, the frozen base stays frozen."""
 
 import pytest
-import torch
 
 from accelerate_roundpipe.models import split_causal_lm
 
@@ -10,6 +9,7 @@ from split_helpers import (
     assert_same_gradients,
     build_model,
     gradients,
+    lora_model,
     make_batch,
     reference_loss,
     run_layers,
@@ -39,14 +39,8 @@ def test_tied_embedding_is_one_parameter_in_first_and_last_layer(family):
 
 
 def test_peft_lora_adapters_train_and_base_stays_frozen():
-    peft = pytest.importorskip("peft")
-    model = build_model("qwen3")
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    peft_model = peft.get_peft_model(model, config)
-    with torch.no_grad():  # LoRA B starts at zero; make the adapters matter
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.1)
+    pytest.importorskip("peft")
+    peft_model = lora_model("qwen3", ["q_proj", "v_proj", "down_proj"])
     batch = make_batch("mixed")
 
     expected = reference_loss(peft_model, batch)

@@ -11,7 +11,7 @@ from torch import nn
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.models.tiled_mlp import tile_mlps, tileable
 
-from split_helpers import assert_close, build_model, make_batch, reference_loss
+from split_helpers import assert_close, build_model, lora_model, make_batch, reference_loss
 
 
 def _llama_mlp_layer():
@@ -81,14 +81,8 @@ def test_engine_with_tiled_mlps_equals_hf(tied):
 
 
 def test_lora_adapters_inside_a_tiled_mlp_get_exact_gradients():
-    peft = pytest.importorskip("peft")
-    base = build_model("llama")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=["gate_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # LoRA B starts at zero: make the adapters matter
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    pytest.importorskip("peft")
+    model = lora_model("llama", ["gate_proj", "up_proj", "down_proj"])
     batch = make_batch("right")
     reference = copy.deepcopy(model)
     ref_loss = reference_loss(reference, batch)
