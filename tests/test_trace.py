@@ -95,3 +95,21 @@ def test_profile_from_a_trace_feeds_the_simulator(tmp_path):
     assert len(load_task_spans(str(path))) == len(engine.schedule(4))
     result = simulate_main(["--profile", str(tmp_path / "profile.json"), "--devices", "2", "--microbatches", "4"])
     assert 0 <= result["roundpipe_async"] <= result["roundpipe_sync"] < 1
+
+
+def test_idle_between_passes_counts_only_the_gaps_before_a_pass(tmp_path):
+    """One device, two passes of F then B (1 unit each); a 0.5-unit stall inside pass 0 and a 2-unit gap before
+    pass 1: the between-pass idle is the gap alone; the last-seconds window drops the first pass."""
+    from accelerate_roundpipe.telemetry.report import idle_between_passes, last_seconds, load_task_spans, main
+
+    names = ["F0:L0-0:r0:m0-0@d0", "B0:L0-0:r0:m0-0@d0"] * 2
+    starts = [0.0, 1.5, 4.5, 5.5]
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "d0(cpu) host"}}]
+    events += [{"ph": "X", "name": n, "pid": 0, "tid": 0, "ts": s * 1e6, "dur": 1e6} for n, s in zip(names, starts)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans = load_task_spans(str(path))
+    assert idle_between_passes(spans) == 2.0 / 6.5
+    assert [s.start for s in last_seconds(spans, 2.0)] == [4.5, 5.5]
+    report = main([str(path), "--seconds", "2"])
+    assert report["measured_bubble"] == 0.0 and report["idle_between_passes"] == 0.0 and report["tasks"] == 2

@@ -58,6 +58,9 @@ def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_in
     return value
 
 
+GRAD_DOWNLOAD_SLICE = 32 * 2**20  # elements per gradient copy: bounds the device-side dtype conversion's buffer
+
+
 class Payload:
     """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
     worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
@@ -217,10 +220,27 @@ class Device:
         host, event = self._download(tensors, self.act_out, track="activation download")
         return Payload(host, event)
 
-    def download_grads(self, grads: list[torch.Tensor]) -> Payload:
+    def download_grads_into(self, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Payload:
+        """Copy each flat device gradient into the host buffer `outs[i]`, converting to its dtype on the way (on the
+        device, a slice at a time, so the converted copy never needs a whole bucket's worth of device memory)."""
         faults.point("transfer.download")
-        host, event = self._download(grads, self.grad_out, track="gradient download")
-        return Payload(host, event)
+        if not self.is_cuda:
+            for grad, out in zip(grads, outs):
+                out.copy_(grad.detach())
+            return Payload(tuple(outs))
+        stream = self.grad_out
+        stream.wait_stream(self.compute_stream)
+        with torch.cuda.stream(stream):
+            begin, finish = self._traced(stream, "gradient download", outs)
+            begin()
+            for grad, out in zip(grads, outs):
+                flat = grad.detach()
+                for start in range(0, flat.numel(), GRAD_DOWNLOAD_SLICE):
+                    end = start + GRAD_DOWNLOAD_SLICE
+                    out[start:end].copy_(flat[start:end], non_blocking=True)
+                flat.record_stream(stream)
+            finish()
+            return Payload(tuple(outs), stream.record_event())
 
     @contextlib.contextmanager
     def rng(self, seed: int) -> Iterator[None]:

@@ -6,7 +6,8 @@ bucket holds
 - `compute`: the compute copy (param dtype, pinned when a GPU is used); the user's module parameters are re-pointed
   to views of it, so `engine.module` always shows the compute copy;
 - `optim`: the optimizer copy (optimizer dtype) whose views are the `nn.Parameter`s handed to the optimizer;
-- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies.
+- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies. A commit into an
+  empty buffer swaps the downloaded buffer in ([Note: gradient swap]): read `bucket.grad` afresh, never keep it.
 Frozen (requires_grad=False) parameters get a compute copy only: no optimizer state, no gradient traffic.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .grad_buffers import GradBufferPool
 from .sync import ReadWriteOrder, Sequencer
 
 _ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
@@ -91,6 +93,7 @@ class HostStore:
                  optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str]) -> None:
         self.layers = layers
         self.pin_memory = pin_memory
+        self.grad_pool = GradBufferPool(pin_memory)  # where gradient downloads land ([Note: gradient swap])
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
         params: dict[int, nn.Parameter] = {}
         for layer_index, layer in enumerate(layers):
@@ -143,7 +146,7 @@ class HostStore:
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
             optim = torch.zeros_like(compute, dtype=odtype, pin_memory=False)
-            grad = torch.zeros_like(optim)
+            grad = torch.zeros_like(optim, pin_memory=self.pin_memory)  # a device copy may land in it
         bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
         with torch.no_grad():
             for slot_index, slot in enumerate(slots):

@@ -1,6 +1,6 @@
 """One thread per device: runs its tasks in dispatch order (one interpreter per task kind).
 
-Each worker also has a commit thread that adds the gradients it downloaded to the host store (so the device moves
+Each worker also has a commit thread that commits the gradients it downloaded to the host store (so the device moves
 on to its next task at once), and it starts uploading the next task's parameters while the current task computes.
 """
 
@@ -268,7 +268,8 @@ class Worker:
     def _commit(self, job: TaskJob, params: _TaskParams, tickets: list[tuple[int, int]], last: bool) -> None:
         """Download the gradients of `tickets`' buckets and let the commit thread add them to the host (so the
         device moves on at once); the commit of the task's `last` group sets `job.done`."""
-        payload = self.device.download_grads([params.grads[b] for b, _ in tickets])
+        outs = [self.store.grad_pool.take(self.store.buckets[b].grad) for b, _ in tickets]
+        payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
             self._unbind()
         self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
@@ -284,8 +285,11 @@ class Worker:
                 job.done.set(True)
 
     def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: tuple) -> None:
+        """Commit downloaded gradients in their buckets' turn: add them to a buffer that holds gradients, or swap the
+        download in as the buffer of an empty one ([Note: gradient swap])."""
         for (bucket_index, ticket), grad in zip(tickets, grads):
             bucket = self.store.buckets[bucket_index]
+            spare = grad  # what goes back to the pool once this commit is done
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
             try:
                 faults.point("commit")
@@ -295,11 +299,12 @@ class Worker:
                     if bucket.grad_valid:
                         bucket.grad.add_(grad)
                     else:
-                        bucket.grad.copy_(grad)
+                        spare, bucket.grad = bucket.grad, grad
                         bucket.grad_valid = True
                         bucket.attach_grads()
             finally:
                 bucket.grads.end(ticket)
+            self.store.grad_pool.give(spare)
 
     # ----------------------------------------------------------------- task kinds
 

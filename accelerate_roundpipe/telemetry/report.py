@@ -1,5 +1,5 @@
-"""Read a timeline trace back: the measured bubble, the simulator's bubble for the same tasks and measured costs,
-and a PNG Gantt chart.
+"""Read a timeline trace back: the measured bubble (and the part of it between passes), the simulator's bubble for the
+same tasks and measured costs, and a PNG Gantt chart.
 
     python -m accelerate_roundpipe.telemetry.report trace.json [--png gantt.png] [--seconds 3] [--profile-out p.json]
 """
@@ -51,6 +51,35 @@ def measured_bubble(spans: Sequence[TaskSpan]) -> float:
     return 1.0 - busy / (window * len(tracks)) if window > 0 else 0.0
 
 
+def _starts_a_pass(task: Task) -> bool:
+    return task.kind.value in ("F", "FB") and task.span.start == 0 and task.microbatches.start == 0
+
+
+def idle_between_passes(spans: Sequence[TaskSpan]) -> float:
+    """The devices' idle time just before each pass's first task (a gap the next pass could have filled: the
+    caller's step, data loading, a host synchronisation), as a share of the window, like `measured_bubble`."""
+    if not spans:
+        return 0.0
+    window = max(s.end for s in spans) - min(s.start for s in spans)
+    tracks = {s.track for s in spans}
+    idle = 0.0
+    for track in tracks:
+        last_end = None
+        for s in sorted((s for s in spans if s.track == track), key=lambda s: s.start):
+            if last_end is not None and _starts_a_pass(s.task):
+                idle += max(0.0, s.start - last_end)
+            last_end = s.end if last_end is None else max(last_end, s.end)
+    return idle / (window * len(tracks)) if window > 0 else 0.0
+
+
+def last_seconds(spans: Sequence[TaskSpan], seconds: float | None) -> list[TaskSpan]:
+    """The spans that start in the trace's last `seconds` (the steady state, past warm-up and profiling)."""
+    if seconds is None or not spans:
+        return list(spans)
+    cut = max(s.end for s in spans) - seconds
+    return [s for s in spans if s.start >= cut]
+
+
 def simulated_bubble(spans: Sequence[TaskSpan], num_devices: int) -> float:
     """The simulator's bubble for the same tasks in the same order, each micro-batch costing its measured share."""
     tasks, costs, offset, seen_rounds = [], {}, 0, set()
@@ -89,9 +118,7 @@ def gantt_png(spans: Sequence[TaskSpan], path: str, seconds: float | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if seconds is not None and spans:
-        cut = max(s.end for s in spans) - seconds
-        spans = [s for s in spans if s.end >= cut]
+    spans = last_seconds(spans, seconds)
     origin = min(s.start for s in spans)
     tracks = sorted({s.track for s in spans})
     colours = {"F": "#4C72B0", "FB": "#C44E52", "B": "#55A868"}
@@ -113,18 +140,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace")
     parser.add_argument("--png", default=None)
-    parser.add_argument("--seconds", type=float, default=None, help="chart only the last N seconds")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="only the tasks that start in the last N seconds (the steady state), for the numbers "
+                             "and the chart")
     parser.add_argument("--profile-out", default=None,
                         help="write per-layer costs measured from the trace (for `accelerate-roundpipe simulate "
                              "--profile`)")
     args = parser.parse_args(argv)
-    spans = load_task_spans(args.trace)
+    spans = last_seconds(load_task_spans(args.trace), args.seconds)
     num_devices = len({s.track for s in spans})
     report = {"measured_bubble": round(measured_bubble(spans), 4),
+              "idle_between_passes": round(idle_between_passes(spans), 4),
               "simulated_bubble": round(simulated_bubble(spans, num_devices), 4), "tasks": len(spans)}
     print(json.dumps(report))
     if args.png:
-        gantt_png(spans, args.png, args.seconds)
+        gantt_png(spans, args.png)
     if args.profile_out:
         with open(args.profile_out, "w") as f:
             json.dump({"forward": layer_profile(spans)}, f)
