@@ -141,3 +141,32 @@ def test_cuda_trace_has_compute_and_copy_streams(tmp_path):
     for suffix in ("compute", "parameter upload", "activation upload", "activation download", "gradient download"):
         assert f"d0(cuda:0) {suffix}" in tracks, (suffix, sorted(tracks))
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+def test_host_memory_is_page_locked_at_its_exact_size_until_released():
+    from accelerate_roundpipe.runtime.pinned import HostMemory
+
+    memory = HostMemory(pinned=True)
+    numel = 3 * 2**20 + 5  # far from a power of two
+    buffer = memory.zeros(numel, torch.float32)
+    assert buffer.numel() == numel and buffer.is_pinned() and memory.locked_bytes == 4 * numel
+    source = torch.arange(numel, dtype=torch.bfloat16, device="cuda")
+    buffer.copy_(source, non_blocking=True)  # converted on the device, landed asynchronously
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, source.float().cpu())
+    memory.release()
+    assert not buffer.is_pinned() and memory.locked_bytes == 0
+    assert torch.equal(buffer, source.float().cpu())  # still valid as ordinary memory
+
+
+def test_engine_store_is_page_locked_and_unlocked_at_close():
+    model = tied_model().float()
+    engine = RoundPipe(model, RoundPipeConfig(devices=["cuda:0"], num_microbatches=2))
+    x, mask, y = batch(rows=8)
+    engine.forward_backward(x.float(), mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    engine.synchronize()
+    buckets = engine._store.trainable_buckets
+    assert all(b.compute.is_pinned() and b.grad.is_pinned() for b in buckets)
+    assert engine._store.memory.locked_bytes >= sum(b.compute.nbytes + b.grad.nbytes for b in buckets)
+    engine.close()
+    assert engine._store.memory.locked_bytes == 0 and not any(b.compute.is_pinned() for b in buckets)

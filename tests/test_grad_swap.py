@@ -11,6 +11,7 @@ from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime.grad_buffers import GradBufferPool
+from accelerate_roundpipe.runtime.pinned import HostMemory
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
@@ -65,7 +66,7 @@ def test_commits_into_gradients_already_there_add():
 
 
 def test_pool_hands_out_exact_sizes_and_reuses_returned_buffers():
-    pool = GradBufferPool(pin_memory=False)
+    pool = GradBufferPool(HostMemory(pinned=False))
     like = torch.zeros(1000, dtype=torch.float32)
     a = pool.take(like)
     assert a.numel() == 1000 and a.dtype == torch.float32  # exact: no power-of-two rounding

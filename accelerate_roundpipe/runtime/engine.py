@@ -313,6 +313,7 @@ class RoundPipe(nn.Module):
             finally:
                 self._failure.close()
                 self._background.stop()
+                self._store.memory.release()
                 if self.trace is not None:
                     self.trace.save()
 

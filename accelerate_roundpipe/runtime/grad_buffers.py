@@ -9,9 +9,9 @@ gradients (accumulation across tasks or passes) adds. Before, every commit was a
 whole model per step (about 0.4 s for Qwen3-1.7B on 16 cores), competing with the CPU optimizer for memory
 bandwidth.
 
-Buffers are pinned when the engine pins (a GPU is used), and kept at their exact size: the caching host allocator
-would round a 1.2 GiB embedding gradient up to 2 GiB. In the steady state the pool holds one spare per bucket whose
-gradients are in flight.
+Buffers are pinned when the engine pins (a GPU is used), at their exact size ([Note: exact-size pinned memory]). In
+the steady state there is one spare per bucket: the gradients cost twice their size in host memory, against once plus
+a bf16 staging copy before.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import threading
 
 import torch
 
+from .pinned import HostMemory
+
 
 class GradBufferPool:
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, memory: HostMemory) -> None:
+        self.memory = memory
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -33,7 +35,7 @@ class GradBufferPool:
             free = self._free.get((like.numel(), like.dtype))
             if free:
                 return free.pop()
-        return torch.empty(like.numel(), dtype=like.dtype, pin_memory=self.pin_memory)
+        return self.memory.empty(like.numel(), like.dtype)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer nobody reads any more (its device copy, if any, has completed)."""

@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .grad_buffers import GradBufferPool
+from .pinned import HostMemory
 from .sync import ReadWriteOrder, Sequencer
 
 _ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
@@ -93,7 +94,8 @@ class HostStore:
                  optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str]) -> None:
         self.layers = layers
         self.pin_memory = pin_memory
-        self.grad_pool = GradBufferPool(pin_memory)  # where gradient downloads land ([Note: gradient swap])
+        self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
+        self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
         params: dict[int, nn.Parameter] = {}
         for layer_index, layer in enumerate(layers):
@@ -141,12 +143,12 @@ class HostStore:
         for p in members:
             slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape))
             offset += _align(p.numel())
-        compute = torch.zeros(max(offset, 1), dtype=dtype, pin_memory=self.pin_memory)
+        compute = self.memory.zeros(max(offset, 1), dtype)
         optim = grad = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
-            optim = torch.zeros_like(compute, dtype=odtype, pin_memory=False)
-            grad = torch.zeros_like(optim, pin_memory=self.pin_memory)  # a device copy may land in it
+            optim = torch.zeros(compute.numel(), dtype=odtype)  # only the CPU reads it
+            grad = self.memory.zeros(compute.numel(), odtype)  # a device copy may land in it
         bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
         with torch.no_grad():
             for slot_index, slot in enumerate(slots):
