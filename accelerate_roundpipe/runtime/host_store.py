@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import host_budget
 from .grad_buffers import GradBufferPool
 from .pinned import HostMemory
 from .sync import ReadWriteOrder, Sequencer
@@ -108,6 +109,10 @@ class HostStore:
         groups: dict[tuple, list[nn.Parameter]] = {}
         for pid, p in params.items():
             groups.setdefault((tuple(users[pid]), p.requires_grad, param_dtype or p.dtype), []).append(p)
+
+        entries = [(p.numel(), param_dtype or p.dtype, p.requires_grad) for p in params.values()]
+        host_budget.warn_if_short(host_budget.store_bytes(entries, lambda d: optimizer_dtype_for(d, optimizer_dtype)),
+                                  freed=sum(p.numel() * p.element_size() for p in params.values()))
 
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)

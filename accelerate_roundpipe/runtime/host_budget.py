@@ -1,0 +1,49 @@
+"""Will the host store fit in host memory? A warning before the OS's out-of-memory killer answers instead.
+
+RoundPipe keeps everything on the host: for each trainable parameter the compute copy, the optimizer copy, the
+gradient buffer, its spare ([Note: gradient swap]) and, with AdamW (the usual choice; the optimizer is not known when
+the store is built), two optimizer states; frozen parameters keep the compute copy only. The model's own parameters
+are freed as the store takes them over, so they count as available.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_STATES = 2  # AdamW's exp_avg and exp_avg_sq
+HEADROOM = 0.9  # share of the available memory the store may take before we warn (activations need the rest)
+
+
+def store_bytes(params: list[tuple[int, torch.dtype, bool]], optimizer_dtype_of) -> int:
+    """Host bytes of the store for (numel, compute dtype, trainable) entries; `optimizer_dtype_of(compute dtype)`."""
+    total = 0
+    for numel, dtype, trainable in params:
+        total += numel * dtype.itemsize
+        if trainable:
+            total += numel * optimizer_dtype_of(dtype).itemsize * (3 + OPTIMIZER_STATES)
+    return total
+
+
+def available_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def warn_if_short(needed: int, freed: int, available: int | None = None) -> str | None:
+    """Log (and return) a warning when `needed` bytes exceed HEADROOM of what is available plus `freed`."""
+    available = available_bytes() if available is None else available
+    if available is None or needed <= HEADROOM * (available + freed):
+        return None
+    message = (f"RoundPipe's host store needs about {needed / 2**30:.1f} GiB (compute copies, optimizer copies, "
+               f"gradients and their spares, AdamW state) and this machine has about {(available + freed) / 2**30:.1f}"
+               f" GiB available: training may be killed for lack of memory. Train fewer parameters (LoRA: frozen "
+               f"weights keep one copy), a smaller model, or free host memory.")
+    logger.warning(message)
+    return message
