@@ -266,9 +266,10 @@ class Worker:
         return by_layer
 
     def _commit(self, job: TaskJob, params: _TaskParams, tickets: list[tuple[int, int]], last: bool) -> None:
-        """Download the gradients of `tickets`' buckets and let the commit thread add them to the host (so the
+        """Download the gradients of `tickets`' buckets and let the commit thread commit them on the host (so the
         device moves on at once); the commit of the task's `last` group sets `job.done`."""
-        outs = [self.store.grad_pool.take(self.store.buckets[b].grad) for b, _ in tickets]
+        # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
+        outs = [self.store.grad_pool.take(self.store.buckets[b].optim) for b, _ in tickets]
         payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
             self._unbind()

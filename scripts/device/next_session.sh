@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared for the next session's device time (not run yet): what the GPU speed issue still needs measured.
+# Run in session 3 (2026-11-29, commit 743f7c4): what the GPU speed issue still needed measured.
 # One part per device call (each fits the 10-minute limit): `bash scripts/device/next_session.sh caps|main|lora`.
 part=${1:?usage: next_session.sh caps|main|lora}
 source "$(dirname "$0")/env.sh"
