@@ -36,19 +36,29 @@ def load_task_spans(path: str) -> list[TaskSpan]:
     return sorted(spans, key=lambda s: s.start)
 
 
+def _with_previous_end(spans: Sequence[TaskSpan]):
+    """Each span, per track in start order, with the latest end of the spans before it on its track (None first)."""
+    for track in {s.track for s in spans}:
+        last_end = None
+        for s in sorted((s for s in spans if s.track == track), key=lambda s: s.start):
+            yield s, last_end
+            last_end = s.end if last_end is None else max(last_end, s.end)
+
+
+def _device_time(spans: Sequence[TaskSpan]) -> float:
+    """The window from the first task's start to the last task's end, times the number of devices."""
+    window = max(s.end for s in spans) - min(s.start for s in spans)
+    return window * len({s.track for s in spans})
+
+
 def measured_bubble(spans: Sequence[TaskSpan]) -> float:
     """Idle share of the devices between the first task's start and the last task's end."""
-    if not spans:
+    total = _device_time(spans) if spans else 0.0
+    if total <= 0:
         return 0.0
-    window = max(s.end for s in spans) - min(s.start for s in spans)
-    tracks = {s.track for s in spans}
-    busy = 0.0
-    for track in tracks:
-        last_end = float("-inf")
-        for s in sorted((s for s in spans if s.track == track), key=lambda s: s.start):
-            busy += max(0.0, s.end - max(s.start, last_end))
-            last_end = max(last_end, s.end)
-    return 1.0 - busy / (window * len(tracks)) if window > 0 else 0.0
+    busy = sum(max(0.0, s.end - (s.start if prev is None else max(s.start, prev)))
+               for s, prev in _with_previous_end(spans))
+    return 1.0 - busy / total
 
 
 def _starts_a_pass(task: Task) -> bool:
@@ -58,18 +68,12 @@ def _starts_a_pass(task: Task) -> bool:
 def idle_between_passes(spans: Sequence[TaskSpan]) -> float:
     """The devices' idle time just before each pass's first task (a gap the next pass could have filled: the
     caller's step, data loading, a host synchronisation), as a share of the window, like `measured_bubble`."""
-    if not spans:
+    total = _device_time(spans) if spans else 0.0
+    if total <= 0:
         return 0.0
-    window = max(s.end for s in spans) - min(s.start for s in spans)
-    tracks = {s.track for s in spans}
-    idle = 0.0
-    for track in tracks:
-        last_end = None
-        for s in sorted((s for s in spans if s.track == track), key=lambda s: s.start):
-            if last_end is not None and _starts_a_pass(s.task):
-                idle += max(0.0, s.start - last_end)
-            last_end = s.end if last_end is None else max(last_end, s.end)
-    return idle / (window * len(tracks)) if window > 0 else 0.0
+    idle = sum(max(0.0, s.start - prev) for s, prev in _with_previous_end(spans)
+               if prev is not None and _starts_a_pass(s.task))
+    return idle / total
 
 
 def last_seconds(spans: Sequence[TaskSpan], seconds: float | None) -> list[TaskSpan]:
