@@ -395,16 +395,16 @@ class RoundPipe(nn.Module):
                 raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
                                  f"{[tuple(x.shape) for x in inputs]}.")
         requested = self.config.num_microbatches
-        if requested is not None and rows < requested and strict and self.allow_short_batches:
+        if requested is not None and rows < requested and strict:
+            if not self.allow_short_batches:
+                raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
+                                 f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} "
+                                 f"or use a batch of at least {requested} rows.")
             if not self._warned_short_batch:
                 logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
                                "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
                                rows, requested, rows)
                 self._warned_short_batch = True
-        elif requested is not None and rows < requested and strict:
-            raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
-                             f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} or "
-                             f"use a batch of at least {requested} rows.")
         if rows < 1:
             raise ValueError("the batch is empty.")
         num_mb = self.num_microbatches_for(rows)
