@@ -122,8 +122,7 @@ class MeasuredPlan:
 
         if len(self.devices) > 1:
             settings = settings_for(num_mb)
-            fields = ("num_devices", "num_microbatches", "gpu_memory_bytes", "pcie_bytes_per_s", "recompute")
-            planned = plan_from_costs(costs, **{f: getattr(settings, f) for f in fields})
+            planned = plan_from_costs(costs, **dataclasses.asdict(settings))
             return planned.partition, settings, num_mb
         if self.config.num_microbatches is None:
             for count in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
