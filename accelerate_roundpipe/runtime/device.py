@@ -131,13 +131,13 @@ class Device:
 
         return (lambda: start.record(stream)), finish
 
-    def _upload(self, tensors, stream, after_event=None, track: str = "upload",
-                per_tensor_events: bool = False) -> tuple[list, object]:
-        """Copies of `tensors` on the device and the copy's event (a list of one event per tensor with
-        `per_tensor_events`, so a consumer can start on the first tensor while the others are still in flight)."""
+    def _upload(self, tensors, stream, after_event=None, track: str = "upload") -> tuple[list, list]:
+        """Copies of `tensors` on the device and one copy event per tensor (None on the CPU), so a consumer can
+        start on the first tensor while the others are still in flight; the copies run in order on one stream, so
+        the last event covers them all."""
         if not self.is_cuda:
             out = [None if t is None else t.clone() for t in tensors]
-            return out, ([None] * len(out) if per_tensor_events else None)
+            return out, [None] * len(out)
         with torch.cuda.stream(stream):
             if after_event is not None:
                 stream.wait_event(after_event)
@@ -146,10 +146,9 @@ class Device:
             out, events = [], []
             for t in tensors:
                 out.append(None if t is None else t.to(self.device, non_blocking=True))
-                if per_tensor_events:
-                    events.append(stream.record_event())
+                events.append(stream.record_event())
             finish()
-            return out, (events if per_tensor_events else stream.record_event())
+            return out, events
 
     def _use(self, tensors, event) -> None:
         """Make the compute stream wait for an upload and own its tensors."""
@@ -165,7 +164,7 @@ class Device:
         one copy event per bucket (None on the CPU: the copy is already done). Call `use_params` for a bucket
         before computing with it: a task's first layer can start as soon as its own bucket has landed."""
         faults.point("transfer.upload")
-        return self._upload(flats, self.param_in, track="parameter upload", per_tensor_events=True)
+        return self._upload(flats, self.param_in, track="parameter upload")
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
@@ -189,8 +188,8 @@ class Device:
             out, _ = self._upload(payload.host(), None)
             return tuple(out)
         event, payload.event = payload.event, None
-        out, ready = self._upload(payload.tensors, self.act_in, after_event=event, track="activation upload")
-        self._use(out, ready)
+        out, events = self._upload(payload.tensors, self.act_in, after_event=event, track="activation upload")
+        self._use(out, events[-1] if events else None)
         return tuple(out)
 
     # -------------------------------------------------------------- device -> host
