@@ -92,7 +92,9 @@ class _FusedLinearCrossEntropySum(torch.autograd.Function):
         if saved is None:
             raise RuntimeError("fused_linear_cross_entropy_sum supports one backward per forward (no retain_graph).")
         del ctx.grads  # freed now, not when the caller drops the loss: grad_W is as large as the lm_head
-        grads = tuple(None if g is None else g * grad_output.to(g.dtype) for g in saved)
+        # In place: the saved gradients are this node's alone, and a copy would add a second lm_head-sized grad_W
+        # at the head's memory peak.
+        grads = tuple(None if g is None else g.mul_(grad_output.to(g.dtype)) for g in saved)
         return (*grads, None, None, None)
 
 
