@@ -129,17 +129,21 @@ def _chunk_loss(
     return loss, grad_logits
 
 
+_mixed_addmm = True  # whether this torch has addmm(..., out_dtype=) on CUDA; found out at the first call
+
+
 def _add_matmul(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
     """`accumulator += left @ right`, with a low-precision product accumulated in the accumulator's fp32."""
     if left.dtype == accumulator.dtype:
         accumulator.addmm_(left, right)  # no [V, H] temporary
         return
-    if accumulator.is_cuda:
+    global _mixed_addmm
+    if accumulator.is_cuda and _mixed_addmm:
         try:  # cuBLAS adds the bf16 product to the fp32 accumulator in place: no [V, H] temporary either
             torch.addmm(accumulator, left, right, out_dtype=accumulator.dtype, out=accumulator)
             return
-        except (TypeError, NotImplementedError):  # torch before 2.8 has no out_dtype
-            pass
+        except (TypeError, NotImplementedError):  # torch before 2.8 has no out_dtype: settled once, not per chunk
+            _mixed_addmm = False
     # CPU has no mixed-dtype addmm: the product is rounded once per chunk, then summed in fp32.
     accumulator += left @ right
 
