@@ -17,13 +17,15 @@ A single process drives every device, so batch sizes are per step, not per GPU (
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 from transformers import Trainer
+from transformers.trainer_utils import IntervalStrategy
 
 from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, training_flops_per_token
@@ -101,13 +103,11 @@ class RoundPipeTrainer(Trainer):
 
     def _prepare_input(self, data: Any) -> Any:
         """Batches stay in host memory; the engine uploads micro-batches to its workers."""
-        if isinstance(data, Mapping):
-            return type(data)({k: self._prepare_input(v) for k, v in data.items()})
-        if isinstance(data, (tuple, list)):
-            return type(data)(self._prepare_input(v) for v in data)
-        if isinstance(data, torch.Tensor):
-            return data.cpu()
-        return data
+        return send_to_device(data, torch.device("cpu"))
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device=None):
+        # The token count the loss is scaled by stays on the host too (else it goes to the GPU and back each step).
+        return super().get_batch_samples(epoch_iterator, num_batches, torch.device("cpu"))
 
     # ------------------------------------------------------------------ live metrics
 
@@ -172,10 +172,9 @@ class RoundPipeTrainer(Trainer):
 
     def _next_step_logs(self, step_number: int) -> bool:
         """Whether the step after step number `step_number` logs (the grad norm it reports is of this step)."""
-        every = self.state.logging_steps or self.args.logging_steps
-        if getattr(self.args.logging_strategy, "value", self.args.logging_strategy) != "steps" or not every:
-            return True  # epoch-based or unknown logging: measure every step
-        return every <= 1 or (step_number + 1) % int(every) == 0
+        if self.args.logging_strategy != IntervalStrategy.STEPS:
+            return True  # epoch-based logging: measure every step
+        return (step_number + 1) % self.state.logging_steps == 0  # the Trainer's own rule (DefaultFlowCallback)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -191,18 +190,21 @@ class RoundPipeTrainer(Trainer):
         if checkpoint is not None and engine is not None:
             load_engine_extras(engine, checkpoint)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    @contextlib.contextmanager
+    def _reloading_weights(self):
+        """Around a load of weights into the model: no step in flight while they are written, and the optimizer
+        copies refreshed from them afterwards."""
         engine = self.roundpipe_engine
         if engine is not None:
             engine.synchronize()
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        yield
         if engine is not None:
             refresh_optimizer_copies(engine)
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        with self._reloading_weights():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _load_best_model(self) -> None:
-        engine = self.roundpipe_engine
-        if engine is not None:
-            engine.synchronize()
-        super()._load_best_model()
-        if engine is not None:
-            refresh_optimizer_copies(engine)
+        with self._reloading_weights():
+            super()._load_best_model()
