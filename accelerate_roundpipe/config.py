@@ -182,7 +182,7 @@ class RoundPipeConfig:
             self.devices = [str(torch.device(d)) if str(d) != "cpu" else "cpu" for d in self.devices]
             if not self.devices:
                 raise ValueError(f"devices (env {env}DEVICES) is empty; name at least one, e.g. 'cuda:0' or 'cpu'.")
-        for name in ("num_microbatches", "microbatches_per_round"):
+        for name in ("num_microbatches", "microbatches_per_round", "mlp_chunk_tokens"):
             value = getattr(self, name)
             if value is not None:
                 value = int(value)
@@ -195,15 +195,13 @@ class RoundPipeConfig:
                 setattr(self, name, str_to_bool(value, env + name.upper()))
         self.param_dtype = to_dtype(self.param_dtype, "param_dtype")
         self.optimizer_dtype = to_dtype(self.optimizer_dtype, "optimizer_dtype")
-        if self.recompute is not None:
-            self.recompute = str(self.recompute).strip().lower()
-            if self.recompute not in RECOMPUTE_GRAINS:
-                raise ValueError(f"recompute (env {env}RECOMPUTE)={self.recompute!r}; choose one of "
-                                 f"{list(RECOMPUTE_GRAINS)}.")
-        if self.plan is not None:
-            self.plan = str(self.plan).strip().lower()
-            if self.plan not in PLAN_CHOICES:
-                raise ValueError(f"plan (env {env}PLAN)={self.plan!r}; choose one of {list(PLAN_CHOICES)}.")
+        for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES)):
+            value = getattr(self, name)
+            if value is not None:
+                value = str(value).strip().lower()
+                if value not in choices:
+                    raise ValueError(f"{name} (env {env}{name.upper()})={value!r}; choose one of {list(choices)}.")
+                setattr(self, name, value)
         self.forward_stages = _int_list(self.forward_stages, "forward_stages")
         self.backward_stages = _int_list(self.backward_stages, "backward_stages")
         if self.seed is not None:
@@ -212,15 +210,6 @@ class RoundPipeConfig:
             self.wait_timeout_s = float(self.wait_timeout_s)
         if self.peak_tflops is not None:
             self.peak_tflops = float(self.peak_tflops)
-        if self.kernels is not None:
-            self.kernels = str(self.kernels).strip().lower()
-            if self.kernels not in KERNEL_CHOICES:
-                raise ValueError(f"kernels (env {env}KERNELS)={self.kernels!r}; choose one of {list(KERNEL_CHOICES)}.")
-        if self.mlp_chunk_tokens is not None:
-            self.mlp_chunk_tokens = int(self.mlp_chunk_tokens)
-            if self.mlp_chunk_tokens < 1:
-                raise ValueError(f"mlp_chunk_tokens (env {env}MLP_CHUNK_TOKENS) must be >= 1, got "
-                                 f"{self.mlp_chunk_tokens}.")
         if self.gpu_memory_budget is not None:
             self.gpu_memory_budget = _gib(self.gpu_memory_budget, env + "GPU_MEMORY_BUDGET")
 
