@@ -52,11 +52,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from ..config import RECOMPUTE_GRAINS
 from .layer_costs import LayerCosts, drifted
 from .partition import Partition, Span
 from .schedule import TaskKind
-
-RECOMPUTE_GRAINS = ("stage", "layer")
 
 F, FB, B = TaskKind.FORWARD, TaskKind.FUSED, TaskKind.BACKWARD
 
