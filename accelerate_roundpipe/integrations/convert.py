@@ -21,7 +21,6 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..models import CausalLMRoundPipe, UnsupportedModelError, wrap_model
 from ..runtime import RoundPipe
-from .short_batches import allow_short_batches
 
 # Weak both ways: a model keeps its engine alive through its patched methods, not through this table.
 _engines: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -63,7 +62,7 @@ def convert_model(model: nn.Module, config: RoundPipeConfig) -> tuple[nn.Module,
         except UnsupportedModelError as error:
             raise UnsupportedModelError(model, f"{error.problem}. {HOW_TO_TURN_OFF}") from error
         _patch_zero_grad(engine.module, engine)
-    allow_short_batches(engine)  # [Note: short batches]
+    engine.allow_short_batches = True  # [Note: short batches] in runtime/engine.py
     returned = user_facing(engine)
     for key in (model, returned, engine):
         _engines[key] = weakref.ref(engine)
@@ -92,14 +91,3 @@ def _zero_engine_grads(engine_ref: weakref.ref, set_to_none: bool = True) -> Non
         for p in engine.parameters():
             if p.grad is not None:
                 p.grad.zero_()
-
-
-def release_model(model: nn.Module) -> None:
-    """Close the engine behind `model` and give the model its own methods back."""
-    engine = engine_of(model)
-    if engine is None:
-        return
-    engine.close()
-    engine.module.__dict__.pop("zero_grad", None)
-    for key in [k for k, ref in list(_engines.items()) if ref() is engine]:
-        _engines.pop(key, None)

@@ -123,7 +123,12 @@ class RoundPipe(nn.Module):
         self._background = _Background()  # worker, optimizer and host-ops threads, started on first use
         self._pending: DeferredCommit | None = None
         self.expected_grad_scale = 1.0  # the scale a deferred loss's backward is expected to bring
-        # [Note: short batches] in integrations/short_batches.py: stock loops keep an epoch's short last batch.
+        # [Note: short batches]
+        # An explicit `num_microbatches` larger than a training batch is an error (silently running fewer
+        # micro-batches than asked would hide a configuration mistake). Stock loops and the Trainer keep the last,
+        # shorter batch of every epoch (`drop_last=False`), so an 8-micro-batch run would stop at the first epoch end
+        # with a 5-row batch: for the models it prepares, the integration (`integrations/convert.py`) sets this, and
+        # such a batch runs with as many micro-batches as it has rows, with one warning per engine.
         self.allow_short_batches = False
         self._warned_short_batch = False
         self._next_device = 0
