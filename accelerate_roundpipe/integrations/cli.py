@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..config import RoundPipeConfig
+from ..config import ENV_PREFIX, RoundPipeConfig
 from .launch_config import (
     ENABLED_KEY,
     SECTION,
@@ -47,7 +47,7 @@ def config_command(argv: list[str]) -> str:
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
     for f in dataclasses.fields(RoundPipeConfig):
         parser.add_argument(f"--{f.name}", default=None,
-                            help=f"{f.metadata.get('help', '')} (written as `{f.name}:`, ROUNDPIPE_{f.name.upper()})")
+                            help=f"{f.metadata.get('help', '')} (written as `{f.name}:`, {ENV_PREFIX}{f.name.upper()})")
     args = parser.parse_args(argv)
     import torch
 
@@ -77,8 +77,7 @@ def _yaml_value(text: str) -> bool | int | float | str:
 
 
 def _plugin_values(variables: dict[str, str]) -> dict[str, str]:
-    prefix = "ROUNDPIPE_"
-    return {name[len(prefix):].lower(): value for name, value in variables.items()}
+    return {name.removeprefix(ENV_PREFIX).lower(): value for name, value in variables.items()}
 
 
 def launch_command(argv: list[str]) -> None:
