@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
+from accelerate_roundpipe.models import tiled_mlp
 from accelerate_roundpipe.models.tiled_mlp import tile_mlps, tileable
 
 from split_helpers import assert_close, build_model, lora_model, make_batch, reference_loss
@@ -27,21 +29,26 @@ def test_tiled_mlp_equals_plain(chunk, input_grad):
     x = torch.randn(3, 12, 64, dtype=torch.float64, requires_grad=input_grad)
     grad_out = torch.randn(3, 12, 64, dtype=torch.float64)
     outputs, grads = [], []
+    down_calls = []
+    tiled.mlp.down_proj.register_forward_hook(lambda *args: down_calls.append(1))
     for module in (layer.mlp, tiled.mlp):
         xi = x.detach().clone().requires_grad_(input_grad)
         out = module(xi)
         out.backward(grad_out)
         outputs.append(out.detach())
         grads.append([xi.grad] + [p.grad for p in module.parameters()])
+    # Tiled: each chunk runs once in the forward and once more (recomputed) in the backward; else once in all.
+    assert len(down_calls) == (2 * math.ceil(36 / chunk) if chunk < 36 else 1)
     assert_close(outputs[1], outputs[0], "output")
     for index, (tiled_grad, plain_grad) in enumerate(zip(grads[1], grads[0])):
         if plain_grad is None:
             assert tiled_grad is None
         else:
             assert_close(tiled_grad, plain_grad, f"gradient {index}")
-    if chunk < 36:
-        assert type(tiled.mlp.forward).__name__ == "method"  # bound, so per-device copies call their own MLP
-        assert layer.mlp.forward.__func__ is type(layer.mlp).forward
+    assert tiled.mlp.forward.__func__ is tiled_mlp._tiled_forward
+    assert layer.mlp.forward.__func__ is type(layer.mlp).forward  # the original is left alone
+    twin = copy.deepcopy(tiled)  # per-device copies: bound methods, so each copy calls its own MLP
+    assert twin.mlp.forward.__self__ is twin.mlp and twin.mlp._roundpipe_untiled_forward.__self__ is twin.mlp
 
 
 def test_only_dense_mlps_without_dropout_are_tiled():
@@ -63,7 +70,7 @@ def _families():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_engine_with_tiled_mlps_equals_hf(tied):
+def test_engine_with_tiled_mlps_equals_hf(tied, monkeypatch):
     model = build_model("llama", tie_word_embeddings=tied)
     batch = make_batch("left")
     reference = copy.deepcopy(model)
@@ -71,8 +78,14 @@ def test_engine_with_tiled_mlps_equals_hf(tied):
     ref_loss.backward()
     engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, mlp_chunk_tokens=5))
     assert all("_roundpipe_untiled_forward" in layer.mlp.__dict__ for layer in model.model.layers)
+    tiled_runs = []
+    original_apply = tiled_mlp._TiledMLPFunction.apply
+    monkeypatch.setattr(tiled_mlp._TiledMLPFunction, "apply",
+                        lambda *args: tiled_runs.append(1) or original_apply(*args))
     loss = engine.forward_backward(**batch)
     engine.synchronize()
+    # The workers' layer copies ran tiled: every decoder layer on each of the 2 micro-batches.
+    assert len(tiled_runs) == 2 * len(model.model.layers)
     assert_close(loss, ref_loss.detach(), "loss")
     ref_grads = dict(reference.named_parameters())
     for name, p in engine.named_parameters():
