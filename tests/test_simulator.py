@@ -61,7 +61,10 @@ def test_cli_paper_profile_matches_the_pinned_numbers(capsys):
     main(["--model", "qwen3-1.7b", "--devices", "8", "--microbatches", "16", "--json", "--head-layers", "1"])
     printed = json.loads(capsys.readouterr().out)
     expected = compare_bubbles(8, 16, PAPER_PROFILE)
-    assert all(printed[k] == pytest.approx(v, abs=0.01) for k, v in expected.items())
+    # Interleaved 1F1B alone moves (0.2082 against 0.2000): its fixed two chunks per device cannot absorb the
+    # embedding's small cost. Every other schedule gives the paper profile's number.
+    assert printed["interleaved_1f1b"] == pytest.approx(expected.pop("interleaved_1f1b"), abs=0.01)
+    assert all(printed[k] == pytest.approx(v, abs=1e-3) for k, v in expected.items())
 
 
 def test_cli_json(capsys):
