@@ -24,8 +24,10 @@ def test_detached_state_dict_copies_once_and_keeps_ties():
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]  # tied weights stay one tensor
     storages = {t.untyped_storage().data_ptr() for t in state.values()}
     assert len(storages) == len({id(t) for t in state.values()})  # nothing else shares a storage
-    for name, tensor in model.state_dict().items():
+    live = model.state_dict()
+    for name, tensor in live.items():
         assert torch.equal(state[name], tensor)
+        assert state[name].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr(), name  # a copy
     engine.close()
 
 
