@@ -99,11 +99,19 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
     steps = 20  # the LR schedule depends on the step count: compare whole runs
     expected = loop_losses(plain_run)
 
+    # Same losses prove nothing about who trained (the sync optimizer gives the plain losses): a checkpoint at step
+    # 10 holds the engine's own state file only when RoundPipe ran.
+    checkpoint = ("--checkpointing_steps", "10")
+
+    def ran_roundpipe(out: str) -> bool:
+        return os.path.isfile(os.path.join(out, "step_10", "roundpipe_engine_state.json"))
+
     out = str(tmp_path / "accelerate_launch")
     run_subprocess([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "-m",
-                    "accelerate_roundpipe.run", LOOP_SCRIPT, *loop_args(tiny_assets, out, steps)],
+                    "accelerate_roundpipe.run", LOOP_SCRIPT, *loop_args(tiny_assets, out, steps, *checkpoint)],
                    {**env, **ROUNDPIPE_ENV})
     assert_close_lists(loop_losses(out), expected, "accelerate launch -m accelerate_roundpipe.run")
+    assert ran_roundpipe(out)
 
     from accelerate_roundpipe.integrations.cli import config_command
 
@@ -111,9 +119,11 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
                              "--num_microbatches", "2", "--async_optimizer", "false"])
     out = str(tmp_path / "console")
     result = run_subprocess([sys.executable, "-m", "accelerate_roundpipe.integrations.cli", "launch", "--roundpipe",
-                             "--config_file", config, LOOP_SCRIPT, *loop_args(tiny_assets, out, steps)], env)
+                             "--config_file", config, LOOP_SCRIPT, *loop_args(tiny_assets, out, steps, *checkpoint)],
+                            env)
     assert_close_lists(loop_losses(out), expected, "accelerate-roundpipe launch --roundpipe")
     assert "RoundPipe on" not in result.stdout  # the script itself never mentions RoundPipe
+    assert ran_roundpipe(out)
 
     from accelerate_roundpipe.integrations.launch_config import base_accelerate_config, write_config
 
@@ -121,5 +131,6 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
     write_config(base_accelerate_config(use_cpu=True), plain_config)
     out = str(tmp_path / "plain_accelerate_launch")
     run_subprocess([sys.executable, "-m", "accelerate.commands.launch", "--config_file", plain_config, LOOP_SCRIPT,
-                    *loop_args(tiny_assets, out, steps)], env)
+                    *loop_args(tiny_assets, out, steps, *checkpoint)], env)
     assert_close_lists(loop_losses(out), expected, "plain accelerate launch, RoundPipe installed but not used")
+    assert os.path.isdir(os.path.join(out, "step_10")) and not ran_roundpipe(out)
