@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .router_aux import add_router_statistics, recording
 from .shell import capture_layer_call
@@ -155,10 +156,7 @@ class DecoderLayer(nn.Module):
 
 def _tensor_bytes(captured: tuple[tuple, dict]) -> int:
     """Bytes of the tensors among captured layer arguments (the rotary tables, masks)."""
-    args, kwargs = captured
-    values = list(args) + list(kwargs.values())
-    values += [v for value in values if isinstance(value, (tuple, list)) for v in value]
-    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+    return sum(v.nbytes for v in tree_leaves(captured) if isinstance(v, torch.Tensor))
 
 
 def _hidden_of(layer_output):

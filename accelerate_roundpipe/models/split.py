@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .batch import build_batch
+from .fused_ce import DEFAULT_CHUNK_TOKENS
 from .head import CausalLMHead, FinalNorm
 from .layers import DecoderLayer, EmbeddingLayer
 from .parts import DecoderParts, find_decoder_parts
@@ -19,9 +20,8 @@ from .shell import UnusedPart, decoder_stubs, make_shell
 
 logger = logging.getLogger(__name__)
 
-# 1024 tokens x a 152k vocabulary is about 0.6 GB of fp32 logits per chunk; smaller micro-batches get smaller chunks
-# ([Note: loss chunk size] in head.py).
-DEFAULT_LOSS_CHUNK_TOKENS = 1024
+# Smaller micro-batches get smaller chunks ([Note: loss chunk size] in head.py).
+DEFAULT_LOSS_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass(kw_only=True)
