@@ -45,20 +45,22 @@ def gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe
     return holders, involved
 
 
+def _final_gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]) -> list:
+    """`gradient_holders`, once the engines involved have finished every gradient in flight."""
+    holders, involved = gradient_holders(parameters, engines)
+    for engine in involved:
+        engine.synchronize()
+    return holders
+
+
 def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], max_norm: float,
                    norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the gradients RoundPipe really holds; returns the pre-clip norm."""
-    holders, involved = gradient_holders(parameters, engines)
-    for engine in involved:
-        engine.synchronize()
-    return torch.nn.utils.clip_grad_norm_(holders, max_norm, norm_type=norm_type)
+    return torch.nn.utils.clip_grad_norm_(_final_gradient_holders(parameters, engines), max_norm, norm_type=norm_type)
 
 
 def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], clip_value: float) -> None:
-    holders, involved = gradient_holders(parameters, engines)
-    for engine in involved:
-        engine.synchronize()
-    torch.nn.utils.clip_grad_value_(holders, clip_value)
+    torch.nn.utils.clip_grad_value_(_final_gradient_holders(parameters, engines), clip_value)
 
 
 class LateGradNorm:
