@@ -28,6 +28,7 @@ class GradBufferPool:
         self.memory = memory
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self.allocated = 0  # buffers made so far: flat in the steady state, when every download reuses one
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A free buffer of `like`'s size and dtype (contents undefined)."""
@@ -35,6 +36,7 @@ class GradBufferPool:
             free = self._free.get((like.numel(), like.dtype))
             if free:
                 return free.pop()
+            self.allocated += 1
         return self.memory.empty(like.numel(), like.dtype)
 
     def give(self, buffer: torch.Tensor) -> None:
