@@ -14,7 +14,7 @@ from accelerate_roundpipe.plan.classic import (
     one_f_one_b,
     simulate_classic,
 )
-from accelerate_roundpipe.plan.costs import MODEL_SHAPES, decoder_layer_costs
+from accelerate_roundpipe.plan.decoder_shapes import MODEL_SHAPES, decoder_layer_costs
 from accelerate_roundpipe.plan.simulate_cli import main
 
 # Embedding (free), 28 decoder layers, an LM head costing one decoder layer: the profile whose bubbles match the

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 
 from .classic import compare_bubbles
-from .costs import MODEL_SHAPES, decoder_layer_costs
+from .decoder_shapes import MODEL_SHAPES, decoder_layer_costs
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
