@@ -1,4 +1,4 @@
-"""Decoder-only LM shapes (published config numbers) and their per-layer forward FLOPs per token, for planning and simulation.
+"""Decoder-only LM shapes (published config numbers) and their per-layer forward FLOPs per token.
 
 Costs are relative: only their ratios matter to partitions and bubble ratios. A backward with recomputation costs
 3x the forward (recompute + 2x backward), see `partition.DEFAULT_BACKWARD_TO_FORWARD_COST`.
