@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig  # noqa: E402
-from benchmarks.collect import git_commit  # noqa: E402
+from benchmarks.commit import git_commit  # noqa: E402
 
 
 class Block(nn.Module):

@@ -28,7 +28,7 @@ from transformers import Trainer
 from transformers.trainer_utils import IntervalStrategy
 
 from ..models import CausalLMRoundPipe
-from ..telemetry.metrics import MetricsWindow, training_flops_per_token
+from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
 from .accelerator import ONE_PROCESS, RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .convert import engine_of
@@ -119,7 +119,7 @@ class RoundPipeTrainer(Trainer):
         if engine is not None and "loss" in logs:
             if self._metrics is None or self._metrics.engine is not engine:
                 peak = engine.config.peak_tflops
-                self._metrics = MetricsWindow(engine, training_flops_per_token(engine),
+                self._metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
                                               peak * 1e12 * len(engine.devices) if peak else None)
             else:
                 logs = {**logs, **self._metrics.sample()}

@@ -75,9 +75,44 @@ class MetricsWindow:
         return measured_bubble([s for s in spans if s.track.endswith(kind)])
 
 
-def training_flops_per_token(engine) -> float:
-    """8 x trainable parameters (forward, recomputation and a backward of twice the forward) plus 4 x frozen ones
-    (recomputation-free LoRA bases still run forward, recompute and input-gradient passes): a coarse MFU basis."""
-    trainable = sum(p.numel() for p in engine.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in engine.parameters() if not p.requires_grad)
-    return 8.0 * trainable + 6.0 * frozen
+def training_flops_per_token(trainable_params: int, frozen_params: int = 0, layers: int = 0,
+                             attention_width: int = 0, seq_len: int = 0) -> float:
+    """Model FLOPs of one trained token, the MFU basis of PaLM (Chowdhery et al. 2022, appendix B).
+
+    Each matrix-multiply weight costs 2 FLOPs per token forward and 2 for the input gradient; a trainable one costs
+    2 more for its weight gradient: 6 x `trainable_params` + 4 x `frozen_params` (a LoRA base is frozen, its
+    adapters trainable). Attention adds, per layer, QK^T and AV over the causal half of the sequence: 2 x
+    `seq_len` x `attention_width` (heads x head_dim) forward, 3 times that with its backward. Model FLOPs, not
+    hardware FLOPs: recomputation is not counted, so a plan that recomputes does not look busier than one that
+    keeps its activations, and systems that checkpoint differently compare on the same work. Not counted: the
+    input embedding (a gather), norms, biases and the loss (under 0.5% at these sizes), and that a frozen bottom
+    layer needs no input gradient.
+    """
+    attention = 6.0 * layers * attention_width * seq_len
+    return 6.0 * trainable_params + 4.0 * frozen_params + attention
+
+
+def _matmul_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) elements of the matrices a model multiplies by: every parameter of two or more
+    dimensions held by a module other than an embedding (a tied LM head counts once, through the head)."""
+    held: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 2:
+                held[id(p)] = p
+    trainable = sum(p.numel() for p in held.values() if p.requires_grad)
+    return trainable, sum(p.numel() for p in held.values()) - trainable
+
+
+def model_training_flops_per_token(model: torch.nn.Module, seq_len: int = 0) -> float:
+    """`training_flops_per_token` with the counts read from `model`, and its attention shape from its Hugging Face
+    config when it has one. `seq_len=0` leaves attention out (the live metrics do: the engine counts tokens, not
+    sequence lengths)."""
+    trainable, frozen = _matmul_params(model)
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    return training_flops_per_token(trainable, frozen, layers, heads * head_dim, seq_len)

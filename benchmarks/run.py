@@ -1,0 +1,146 @@
+"""Run one benchmark workload on one of our three ways in and append its records (one per micro-batch count and
+sequence length) to a JSONL file, in the format `benchmarks/collect.py` reads:
+
+    python benchmarks/run.py --workload qwen3-1.7b-full-s4096-b8 --system roundpipe-trainer --nms auto --out ours.jsonl
+
+Run one system per process (the host peak is per process). Every record states how the optimizer stepped
+(`settings.optimizer_step`: "async", one step late, or "sync"; `ROUNDPIPE_ASYNC_OPTIMIZER` chooses), the clipping
+(`settings.max_grad_norm`, 0: none) and how often the loss reached the host (`settings.logging_steps`); a variant of
+a way in is named by its system: `-sync-optimizer`, `-clip<max_grad_norm>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from accelerate_roundpipe import RoundPipeConfig  # noqa: E402
+from benchmarks.commit import git_commit  # noqa: E402
+from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa: E402
+from benchmarks.memory import is_oom, memory_cap  # noqa: E402
+from benchmarks.models import build_model, make_batch  # noqa: E402
+from benchmarks.runners import RUNNERS  # noqa: E402
+from benchmarks.runners.common import config_values  # noqa: E402
+from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
+
+LOOP_LOGGING_STEPS = 1  # the engine and Accelerate loops read the loss every step (see runners/__init__.py)
+
+
+def system_name(system: str, async_optimizer: bool, max_grad_norm: float) -> str:
+    """The way in, and what differs from its usual settings (async optimizer, no clipping)."""
+    return system + ("" if async_optimizer else "-sync-optimizer") + (f"-clip{max_grad_norm:g}" if max_grad_norm
+                                                                        else "")
+
+
+def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
+            peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0) -> dict:
+    w = WORKLOADS[workload]
+    trainer = system == "roundpipe-trainer"
+    training = {"optimizer_step": "async" if config.resolved_async_optimizer else "sync",
+                "max_grad_norm": max_grad_norm, "logging_steps": logging_steps if trainer else LOOP_LOGGING_STEPS}
+    record = {"workload": workload, "system": system_name(system, config.resolved_async_optimizer, max_grad_norm),
+              "seq": seq, "global_batch": w.global_batch,
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": git_commit(),
+              "max_seq": seq if is_sweep(workload) else None}
+    settings = {"seq": seq, "global_batch": w.global_batch, "mem_cap_gib": w.cap_gib, "lora": w.lora,
+                "num_microbatches": config.num_microbatches, "warm": warm, "iters": iters, "lr": lr, **training,
+                "tokens_per_s_basis": "mean of the timed steps, synchronized at both ends",
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "config": config_values(config)}
+    flops_per_token = workload_flops_per_token(w.shape, seq, w.lora)
+    try:
+        import transformers
+
+        settings["transformers"] = transformers.__version__
+        model = build_model(w.arch, seq, w.lora)
+        batch = make_batch(w.shape.vocab_size, w.global_batch, seq)
+        extra = {"logging_steps": logging_steps, "max_grad_norm": max_grad_norm} if trainer else {}
+        result = RUNNERS[system](model, config, batch, warm, iters, lr, **extra)
+    except Exception as error:  # noqa: BLE001 -- a failed configuration is a result too
+        status = "OOM" if is_oom(error) else "ERROR"
+        print(f"[bench] {workload} {system} seq={seq}: {status} {error!r}", file=sys.stderr, flush=True)
+        return {**record, "tokens_per_s": None, "mfu": None, "gpu_peak_gib": None, "host_peak_gib": None,
+                "status": status, "error": repr(error)[:600], "settings": settings}
+    settings.update(num_microbatches=result["num_microbatches"], path=result["path"], step_s=result["step_s"])
+    median_step = statistics.median(result["step_s"][warm:])
+    return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
+            # Steady state as the reference's and the in-GPU anchors' scripts report it: the median timed step.
+            "tokens_per_s_median_step": round(w.global_batch * seq / median_step, 1),
+            "mfu": mfu(flops_per_token, result["tokens_per_s"], peak_tflops), "gpu_peak_gib": result["gpu_peak_gib"],
+            "host_peak_gib": result["host_peak_gib"], "status": "ok",
+            "losses": [round(v, 5) for v in result["losses"]], "flops_per_token": flops_per_token,
+            "settings": settings}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument("--system", required=True, choices=sorted(RUNNERS))
+    parser.add_argument("--nms", default="4", help="micro-batch counts to run (comma-separated; 'auto': the "
+                        "engine's choice), one record each")
+    parser.add_argument("--seqs", default=None, help="override the workload's sequence lengths (comma-separated)")
+    parser.add_argument("--devices", default=None, help="RoundPipe devices (default: cuda:0, else cpu)")
+    parser.add_argument("--warm", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-GPU dense bf16 peak for the MFU")
+    parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
+    parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
+                        "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
+    parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
+    parser.add_argument("--mlp-chunk-tokens", type=int, default=None, help="tile dense MLPs above this many tokens")
+    parser.add_argument("--recompute", default=None, choices=["stage", "layer"])
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--logging-steps", type=int, default=10, help="the Trainer's logging_steps")
+    parser.add_argument("--max-grad-norm", type=float, default=0.0, help="the Trainer's max_grad_norm (0: no "
+                        "clipping; the loops never clip)")
+    parser.add_argument("--out", required=True, help="JSONL file the records are appended to")
+    args = parser.parse_args(argv)
+    if args.max_grad_norm and args.system != "roundpipe-trainer":
+        parser.error("--max-grad-norm is the Trainer's; the engine and Accelerate loops do not clip")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    w = WORKLOADS[args.workload]
+    seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else list(w.seqs)
+    devices = args.devices.split(",") if args.devices else (["cuda:0"] if torch.cuda.is_available() else ["cpu"])
+    memory_cap(w.cap_gib)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for nms in (None if v == "auto" else int(v) for v in args.nms.split(",")):
+        for seq in seqs:
+            extra = {"gpu_memory_budget": w.cap_gib} if w.cap_gib and any(d.startswith("cuda") for d in devices) \
+                else {}
+            if args.budget:
+                extra["gpu_memory_budget"] = args.budget
+            if args.mlp_chunk_tokens:
+                extra["mlp_chunk_tokens"] = args.mlp_chunk_tokens
+            if args.trace_dir:
+                extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
+            config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w.global_batch),
+                                     kernels=args.kernels, recompute=args.recompute, **extra)
+            record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
+                             args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
+                             args.max_grad_norm)
+            line = json.dumps(record)
+            print("RESULT", line, flush=True)
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if record["status"] != "ok" and is_sweep(args.workload):
+                break  # sequence sweep: stop at the first failure
+
+
+if __name__ == "__main__":
+    main()
