@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -33,10 +34,17 @@ from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
 LOOP_LOGGING_STEPS = 1  # the engine and Accelerate loops read the loss every step (see runners/__init__.py)
 
 
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def system_name(system: str, async_optimizer: bool, max_grad_norm: float) -> str:
     """The way in, and what differs from its usual settings (async optimizer, no clipping)."""
-    return system + ("" if async_optimizer else "-sync-optimizer") + (f"-clip{max_grad_norm:g}" if max_grad_norm
-                                                                        else "")
+    name = system if async_optimizer else f"{system}-sync-optimizer"
+    return f"{name}-clip{max_grad_norm:g}" if max_grad_norm else name
 
 
 def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
@@ -52,7 +60,9 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
     settings = {"seq": seq, "global_batch": w.global_batch, "mem_cap_gib": w.cap_gib, "lora": w.lora,
                 "num_microbatches": config.num_microbatches, "warm": warm, "iters": iters, "lr": lr, **training,
                 "tokens_per_s_basis": "mean of the timed steps, synchronized at both ends",
-                "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "config": config_values(config)}
+                "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "config": config_values(config),
+                # our engine's fused kernels are Liger's when it is installed (kernels="auto")
+                "liger_kernel": _version("liger-kernel")}
     flops_per_token = workload_flops_per_token(w.shape, seq, w.lora)
     try:
         import transformers

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Benchmarks on a lent GPU, by workload name (README.md beside this file: what each measures, how long it takes,
+# what it needs and how to collect what it writes):
+#
+#   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
+#
+# Workloads: gpu-tests, qwen3-1.7b, cap24, lora-8b, long, long-256k. `anchors` adds, for every other workload named,
+# the reference RoundPipe and HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
+# Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the whole output to $OUT/bench.log.
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder the results go to (the device sets it)}"
+mkdir -p "$OUT"
+LOG=$OUT/bench.log
+: >>"$LOG"
+WORKLOADS="gpu-tests qwen3-1.7b cap24 lora-8b long long-256k"
+
+usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
+[ $# -gt 0 ] || usage
+anchors=0
+names=()
+for name in "$@"; do  # every name checked before anything runs: a typo costs no device time
+  if [ "$name" = anchors ]; then
+    anchors=1
+  elif [[ " $WORKLOADS " == *" $name "* ]]; then
+    names+=("$name")
+  else
+    echo "unknown workload: $name" >&2
+    usage
+  fi
+done
+[ ${#names[@]} -gt 0 ] || usage
+if [ $anchors = 1 ] && [ ! -f .anchors/rp.py ]; then
+  echo "anchors: copy ../shared/anchors into .anchors/ and carry it (README.md)" >&2
+  exit 2
+fi
+
+# The wheels the device lacks: Liger (our engine's fused kernels when installed, and the in-GPU anchor's) and the
+# reference RoundPipe with its needs. Without them our numbers do not compare with the stored ones.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+else
+  echo "warning: no .whl/: Liger kernels are off and the anchors cannot run (README.md)" | tee -a "$LOG"
+fi
+# NVLink multicast stays off (KINDS.md of the device tool says why).
+export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export BENCH_COMMIT=${BENCH_COMMIT:-unknown} PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 OUT
+
+# step SECONDS CMD...: one run in its own process (host peaks are per process, and the reference ends its process
+# when a worker fails) under its own time limit; the log keeps all its output, the screen its result lines.
+step() {
+  local from
+  from=$(($(wc -l <"$LOG") + 1))
+  echo "=== $*" | tee -a "$LOG"
+  timeout "$@" >>"$LOG" 2>&1
+  [ $? = 124 ] && echo "timed out after $1 s" >>"$LOG"
+  tail -n +"$from" "$LOG" | grep -E "RESULT|OOM|Error|Traceback|timed out|re-planned|passed|failed|FAILED" \
+    | cut -c1-400 | tail -8
+}
+
+# ours SECONDS WORKLOAD SYSTEM FLAGS...: benchmarks/run.py; the engine picks the micro-batch count.
+ours() {
+  local seconds=$1 workload=$2 system=$3
+  shift 3
+  step "$seconds" python3 benchmarks/run.py --out "$OUT/ours.jsonl" --workload "$workload" --system "$system" \
+    --nms auto "$@"
+}
+reference() { step "$1" python3 .anchors/rp.py "${@:2}"; }
+in_gpu_liger() { step "$1" python3 .anchors/ingpu.py --liger "${@:2}"; }
+
+run_ours() {
+  local w
+  case $1 in
+  gpu-tests)
+    step 240 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests integration_tests ;;
+  qwen3-1.7b)  # the three ways in at their usual settings, then the variants every record names
+    w=qwen3-1.7b-full-s4096-b8
+    ours 75 $w roundpipe-engine --warm 2 --iters 8
+    ROUNDPIPE_ASYNC_OPTIMIZER=false ours 75 $w roundpipe-engine --warm 2 --iters 8
+    ours 75 $w roundpipe-accelerate-loop --warm 2 --iters 8
+    ROUNDPIPE_ASYNC_OPTIMIZER=false ours 75 $w roundpipe-accelerate-loop --warm 2 --iters 8
+    ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 0 --logging-steps 10
+    ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 ;;  # its defaults
+  cap24)
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 6 ;;
+  lora-8b)
+    ours 200 llama3.1-8b-lora-s4096-b8 roundpipe-engine --warm 2 --iters 3 ;;
+  long)  # 64K untiled (tok/s), 128K with the MLP tiled (length); the first step is the profiling pass
+    ours 100 qwen3-1.7b-cap24-b1 roundpipe-engine --warm 1 --iters 2 --seqs 65536
+    ours 180 qwen3-1.7b-cap24-b1 roundpipe-engine --warm 1 --iters 1 --seqs 131072 --mlp-chunk-tokens 16384 ;;
+  long-256k)  # about 75 s a step: a call of its own
+    ours 480 qwen3-1.7b-cap24-b1 roundpipe-engine --warm 1 --iters 1 --seqs 262144 --mlp-chunk-tokens 16384 ;;
+  esac
+}
+
+run_anchors() {
+  case $1 in
+  qwen3-1.7b)
+    in_gpu_liger 60 --model qwen3-1.7b --mode bf16 --seqs 4096 --gb 8 --mbs 8 --section qwen3-1.7b-liger
+    reference 80 --model qwen3-1.7b --seqs 4096 --gb 8 --nms 4 --section qwen3-1.7b-reference ;;
+  cap24)  # in-GPU training of the 4B does not fit 24 GiB: its OOM record is the result
+    in_gpu_liger 60 --model qwen3-4b --mode bf16 --seqs 4096 --gb 8 --mbs 8,4,2,1 --cap 24 --section cap24-liger
+    reference 120 --model qwen3-4b --seqs 4096 --gb 8 --nms 4 --iters 4 --cap 24 --section cap24-reference ;;
+  lora-8b)
+    in_gpu_liger 150 --model llama3.1-8b --mode lora --bf16-adapters --seqs 4096 --gb 8 --mbs 8,4 --iters 3 \
+      --section lora-8b-liger
+    reference 150 --model llama3.1-8b --lora --seqs 4096 --gb 8 --nms 4 --iters 3 --section lora-8b-reference ;;
+  long)  # sweeps stop at the first failure; ratios compare the longest sequence both ran
+    in_gpu_liger 120 --model qwen3-1.7b --mode bf16 --seqs 16384,32768,65536 --gb 1 --mbs 1 --cap 24 \
+      --section long-liger
+    reference 150 --model qwen3-1.7b --seqs 65536,131072 --gb 1 --nms 1 --iters 2 --cap 24 --section long-reference ;;
+  *)
+    echo "anchors: none for $1" | tee -a "$LOG" ;;
+  esac
+}
+
+for name in "${names[@]}"; do
+  run_ours "$name"
+  [ $anchors = 1 ] && run_anchors "$name"
+done
+ls -la "$OUT"
