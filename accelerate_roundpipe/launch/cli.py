@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, RoundPipeConfig
-from .launch_config import (
+from .config_file import (
     ENABLED_KEY,
     SECTION,
     base_accelerate_config,
@@ -32,7 +32,7 @@ from .launch_config import (
     split_section,
     write_config,
 )
-from .plugin import RoundPipePlugin
+from ..integrations.plugin import RoundPipePlugin
 
 RUN_MODULE = "accelerate_roundpipe.run"
 
