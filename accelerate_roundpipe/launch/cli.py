@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, RoundPipeConfig
+from ..integrations.plugin import RoundPipePlugin
 from .config_file import (
     ENABLED_KEY,
     SECTION,
@@ -32,7 +33,6 @@ from .config_file import (
     split_section,
     write_config,
 )
-from ..integrations.plugin import RoundPipePlugin
 
 RUN_MODULE = "accelerate_roundpipe.run"
 
