@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import LlamaForCausalLM, default_data_collator, get_scheduler, set_seed
 
 from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
-from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_datasets, tiny_llama_config
+from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets, tiny_llama_config
 
 
 def main():

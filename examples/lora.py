@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM, set_seed
 
 from accelerate_roundpipe import RoundPipeTrainer, RoundPipeTrainingArguments
-from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_datasets, tiny_llama_config
+from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets, tiny_llama_config
 
 
 def main():

@@ -6,7 +6,7 @@ train/validation text files (the text ships with the package).
 
 import argparse
 
-from accelerate_roundpipe.integrations.tiny_data import write_assets
+from accelerate_roundpipe.tiny.data import write_assets
 
 
 def main():

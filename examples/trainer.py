@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM, set_seed
 
 from accelerate_roundpipe import RoundPipeTrainer, RoundPipeTrainingArguments
-from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_datasets, tiny_llama_config
+from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets, tiny_llama_config
 
 
 def main():

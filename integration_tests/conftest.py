@@ -36,6 +36,6 @@ def one_intra_op_thread():
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> str:
     """Tokenizer, tiny Llama config and train/validation text, laid out for the stock scripts."""
-    from accelerate_roundpipe.integrations.tiny_data import write_assets
+    from accelerate_roundpipe.tiny.data import write_assets
 
     return write_assets(str(tmp_path_factory.mktemp("tiny_assets")))

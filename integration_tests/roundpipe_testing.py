@@ -49,7 +49,7 @@ def reset_accelerate_state() -> None:
 
 def run_in_process(script: str, argv: list[str], roundpipe: bool, env: dict[str, str] | None = None) -> None:
     """`python script.py ARGS` (roundpipe=False) or `python -m accelerate_roundpipe.run script.py ARGS`, in-process."""
-    from accelerate_roundpipe.integrations.launcher import run_script
+    from accelerate_roundpipe.launch.run_script import run_script
 
     reset_accelerate_state()
     saved_argv = sys.argv

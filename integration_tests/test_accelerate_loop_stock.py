@@ -113,19 +113,19 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
     assert_close_lists(loop_losses(out), expected, "accelerate launch -m accelerate_roundpipe.run")
     assert ran_roundpipe(out)
 
-    from accelerate_roundpipe.integrations.cli import config_command
+    from accelerate_roundpipe.launch.cli import config_command
 
     config = config_command(["--config_file", str(tmp_path / "roundpipe_config.yaml"), "--devices", "cpu,cpu",
                              "--num_microbatches", "2", "--async_optimizer", "false"])
     out = str(tmp_path / "console")
-    result = run_subprocess([sys.executable, "-m", "accelerate_roundpipe.integrations.cli", "launch", "--roundpipe",
+    result = run_subprocess([sys.executable, "-m", "accelerate_roundpipe.launch.cli", "launch", "--roundpipe",
                              "--config_file", config, LOOP_SCRIPT, *loop_args(tiny_assets, out, steps, *checkpoint)],
                             env)
     assert_close_lists(loop_losses(out), expected, "accelerate-roundpipe launch --roundpipe")
     assert "RoundPipe on" not in result.stdout  # the script itself never mentions RoundPipe
     assert ran_roundpipe(out)
 
-    from accelerate_roundpipe.integrations.launch_config import base_accelerate_config, write_config
+    from accelerate_roundpipe.launch.config_file import base_accelerate_config, write_config
 
     plain_config = str(tmp_path / "plain_config.yaml")
     write_config(base_accelerate_config(use_cpu=True), plain_config)

@@ -68,7 +68,7 @@ def test_a_trainer_model_that_cannot_be_split(tmp_path):
 def test_data_parallel_style_settings(tmp_path):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from accelerate_roundpipe.integrations.cli import main as cli
+    from accelerate_roundpipe.launch.cli import main as cli
 
     with pytest.raises(ValueError, match="num_processes 1"):
         RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(devices=["cpu"]),

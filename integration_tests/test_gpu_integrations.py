@@ -20,7 +20,7 @@ GPU_ATOL = 2e-4  # fp32 on the GPU: kernels (and micro-batch split) change the r
 
 
 def _data(block_size: int = 32):
-    from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_blocks, split_paragraphs
+    from accelerate_roundpipe.tiny.data import build_tokenizer, lm_blocks, split_paragraphs
 
     tokenizer = build_tokenizer()
     train, _ = split_paragraphs()
@@ -32,7 +32,7 @@ def _data(block_size: int = 32):
 def _model(vocab_size: int):
     from transformers import LlamaForCausalLM, set_seed
 
-    from accelerate_roundpipe.integrations.tiny_data import tiny_llama_config
+    from accelerate_roundpipe.tiny.data import tiny_llama_config
 
     set_seed(0)
     return LlamaForCausalLM(tiny_llama_config(vocab_size))

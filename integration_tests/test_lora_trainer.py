@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 def lora_model(vocab_size: int):
     from transformers import LlamaForCausalLM, set_seed
 
-    from accelerate_roundpipe.integrations.tiny_data import tiny_llama_config
+    from accelerate_roundpipe.tiny.data import tiny_llama_config
 
     set_seed(0)
     base = LlamaForCausalLM(tiny_llama_config(vocab_size))
@@ -30,7 +30,7 @@ def lora_model(vocab_size: int):
 def test_lora_trains_like_trainer_and_adapters_reload(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_datasets
+    from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets
 
     tokenizer = build_tokenizer()
     train, held_out = lm_datasets(tokenizer, block_size=32)

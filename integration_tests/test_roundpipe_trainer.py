@@ -15,7 +15,7 @@ STEPS = 20
 
 @pytest.fixture(scope="module")
 def data():
-    from accelerate_roundpipe.integrations.tiny_data import build_tokenizer, lm_datasets
+    from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets
 
     tokenizer = build_tokenizer()
     train, held_out = lm_datasets(tokenizer, block_size=32)
@@ -25,7 +25,7 @@ def data():
 def make_model(vocab_size: int):
     from transformers import LlamaForCausalLM, set_seed
 
-    from accelerate_roundpipe.integrations.tiny_data import tiny_llama_config
+    from accelerate_roundpipe.tiny.data import tiny_llama_config
 
     set_seed(0)
     return LlamaForCausalLM(tiny_llama_config(vocab_size))

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-python3 -m accelerate_roundpipe.train_tiny "$@"
+python3 -m accelerate_roundpipe.tiny.train "$@"

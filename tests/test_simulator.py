@@ -76,7 +76,7 @@ def test_cli_json(capsys):
 
 
 def test_console_command_has_simulate(capsys):
-    from accelerate_roundpipe.integrations.cli import main as cli_main
+    from accelerate_roundpipe.launch.cli import main as cli_main
 
     cli_main(["simulate", "--model", "qwen3-1.7b", "--devices", "8", "--microbatches", "16", "--json"])
     printed = json.loads(capsys.readouterr().out)

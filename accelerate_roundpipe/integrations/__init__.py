@@ -1,4 +1,5 @@
-"""The three ways in: the Accelerate plugin and accelerator, `RoundPipeTrainer`, and the launchers for stock scripts.
+"""The ways in from code: the Accelerate plugin and accelerator, `RoundPipeTrainer` and its training arguments.
+(Stock scripts come in through `accelerate_roundpipe.launch`.)
 
 Names are imported on first use: `RoundPipeAccelerator` and `RoundPipeTrainer` subclass accelerate's and
 transformers' classes, and importing those is not free.
@@ -13,10 +14,6 @@ _EXPORTS = {
     "RoundPipeAccelerator": ".accelerator",
     "RoundPipeTrainer": ".trainer",
     "RoundPipeTrainingArguments": ".training_args",
-    "install": ".install",
-    "uninstall": ".install",
-    "installed": ".install",
-    "run_script": ".launcher",
 }
 
 __all__ = list(_EXPORTS)

@@ -4,8 +4,9 @@
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     for batch in train_dl:
         with accelerator.accumulate(model):
-            loss = model(**batch).loss          # the fused pipelined forward + backward ([Note: deferred ...])
+            loss = model(**batch).loss          # the fused pipelined forward + backward
             accelerator.backward(loss)          # commits the gradients, scaled by 1 / accumulation steps
+                                                # ([Note: deferred gradient commit])
             accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the real norm
             optimizer.step(); scheduler.step(); optimizer.zero_grad()   # lagged CPU step
 

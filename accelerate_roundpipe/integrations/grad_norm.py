@@ -66,8 +66,7 @@ def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]
 class LateGradNorm:
     """The L2 gradient norm of each optimizer step, measured on the optimizer thread ([Note: late grad norm])."""
 
-    def __init__(self, engine: RoundPipe, optimizer: LaggedOptimizer) -> None:
-        self.engine = engine
+    def __init__(self, optimizer: LaggedOptimizer) -> None:
         self.optimizer = optimizer
         self._lock = threading.Lock()
         self._squares: dict[int, float] = {}  # step index -> sum of squared per-tensor norms
@@ -80,20 +79,6 @@ class LateGradNorm:
         `measure=False` that step's norm is not computed (it costs a pass over every gradient on the CPU)."""
         for group in self.optimizer.param_groups:
             group[STEP_TAG] = step_index if measure else None
-
-    def norm_of(self, step_index: int) -> float | None:
-        """The norm of step `step_index` (waits for that step if it is still running); None before any step."""
-        if step_index < 0:
-            return None
-        with self._lock:
-            complete = self._seen.get(step_index, 0) >= self._expected
-        if not complete:
-            # Still running, or some bucket had no gradient (then it was skipped, and adds 0 to the norm).
-            self.engine.synchronize()
-        with self._lock:
-            squares = self._squares.get(step_index)
-            self._forget_before(step_index)
-        return None if squares is None else squares ** 0.5
 
     def newest_norm(self, at_most: int) -> float | None:
         """The norm of the newest finished step <= `at_most`, without waiting; None if none has finished."""

@@ -65,8 +65,3 @@ class RoundPipePlugin(RoundPipeConfig):
             raise ValueError(f"invalid RoundPipe setting: {error} (settings come from RoundPipePlugin(...) "
                              f"arguments, --roundpipe_* training arguments, the `roundpipe:` section of the accelerate "
                              f"config, or ROUNDPIPE_* environment variables)") from error
-
-    def to_config(self) -> RoundPipeConfig:
-        """A plain `RoundPipeConfig` with the same (already resolved) values."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RoundPipeConfig)}
-        return RoundPipeConfig(**values)

@@ -165,7 +165,7 @@ class RoundPipeTrainer(Trainer):
         if self._late_grad_norm is None or self._late_grad_norm.optimizer is not lagged:
             if self._late_grad_norm is not None:
                 self._late_grad_norm.close()
-            self._late_grad_norm = LateGradNorm(engine, lagged)
+            self._late_grad_norm = LateGradNorm(lagged)
         step = self.state.global_step  # the index of the step being taken; it is step number step + 1
         self._late_grad_norm.before_step(step, measure=self._next_step_logs(step + 1))
         return self._late_grad_norm.newest_norm(step - 1)  # [Note: late grad norm]

@@ -42,10 +42,11 @@ def build_batch(
             "4-D masks are rebuilt inside each layer and cannot be passed in."
         )
     if _is_all_ones_on_host(attention_mask) and position_ids is None:
-        # [Note: no device syncs in the model code] HF's mask code tests `padding_mask.all()` and, without a mask,
-        # looks for packed sequences in `position_ids`: both synchronise the GPU in every layer of every
-        # micro-batch. An all-ones mask with default positions means plain causal attention, so both are left out
-        # here, on the host, where the test is free; the model's own code then takes its `is_causal` path.
+        # [Note: no device syncs in the model code]
+        # HF's mask code tests `padding_mask.all()` and, without a mask, looks for packed sequences in
+        # `position_ids`: both synchronise the GPU in every layer of every micro-batch. An all-ones mask with default
+        # positions means plain causal attention, so both are left out here, on the host, where the test is free;
+        # the model's own code then takes its `is_causal` path.
         attention_mask = None
     if attention_mask is None:
         attention_mask = torch.zeros(num_rows, 0, dtype=torch.int64, device=device)  # "no mask given"

@@ -2,7 +2,7 @@
 fall. Everything is local: the model is built from a config, the tokenizer is trained on the text in a second.
 GPUs are used when present (every visible one, as RoundPipe workers); otherwise two CPU workers.
 
-    python -m accelerate_roundpipe.train_tiny [--max_steps 160] [--devices cpu,cpu] [--output_dir DIR]
+    python -m accelerate_roundpipe.tiny.train [--max_steps 160] [--devices cpu,cpu] [--output_dir DIR]
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     from transformers import LlamaForCausalLM, PrinterCallback, set_seed
 
-    from .integrations import RoundPipeTrainer, RoundPipeTrainingArguments
-    from .integrations.tiny_data import build_tokenizer, lm_datasets, tiny_llama_config
+    from ..integrations import RoundPipeTrainer, RoundPipeTrainingArguments
+    from .data import build_tokenizer, lm_datasets, tiny_llama_config
 
     devices = args.devices or ("cpu,cpu" if not torch.cuda.is_available() else None)
     if devices is not None and all(d.strip() == "cpu" for d in devices.split(",")):

@@ -21,7 +21,8 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, RoundPipeConfig
-from .launch_config import (
+from ..integrations.plugin import RoundPipePlugin
+from .config_file import (
     ENABLED_KEY,
     SECTION,
     base_accelerate_config,
@@ -32,7 +33,6 @@ from .launch_config import (
     split_section,
     write_config,
 )
-from .plugin import RoundPipePlugin
 
 RUN_MODULE = "accelerate_roundpipe.run"
 

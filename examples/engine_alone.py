@@ -1,9 +1,10 @@
-"""The main job: a small training run on RoundPipe, GPU if present, two CPU workers otherwise.
+"""The engine alone, without Hugging Face: `RoundPipe` around an `nn.Sequential`, GPU if present, two CPU workers
+otherwise.
 
 A residual MLP (an `nn.Sequential` of blocks) learns a fixed random teacher on generated data; the run prints the
 loss, the final accuracy on held-out data, and checks that training converged.
 
-    python -m accelerate_roundpipe.demo [--steps 60] [--devices cpu,cpu]
+    python examples/engine_alone.py [--steps 60] [--devices cpu,cpu]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from . import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 
 
 class ResidualBlock(nn.Module):

@@ -8,19 +8,19 @@ from unittest import mock
 
 import pytest
 
-from accelerate_roundpipe.integrations import cli, install, launch_config, launcher
+from accelerate_roundpipe.launch import cli, config_file, install, run_script
 
 
 def test_section_becomes_roundpipe_variables():
-    rest, section = launch_config.split_section({"num_processes": 1, "roundpipe": {
+    rest, section = config_file.split_section({"num_processes": 1, "roundpipe": {
         "enabled": True, "devices": ["cuda:0", "cuda:1"], "async_optimizer": False, "num_microbatches": 8}})
     assert rest == {"num_processes": 1}
-    assert launch_config.section_variables(section) == {
+    assert config_file.section_variables(section) == {
         "ROUNDPIPE_DEVICES": "cuda:0,cuda:1", "ROUNDPIPE_ASYNC_OPTIMIZER": "false", "ROUNDPIPE_NUM_MICROBATCHES": "8"}
     with pytest.raises(ValueError, match="unknown key `num_microbatch`.*did you mean `num_microbatches`"):
-        launch_config.section_variables({"num_microbatch": 2})
+        config_file.section_variables({"num_microbatch": 2})
     with pytest.raises(ValueError, match="must be a mapping"):
-        launch_config.split_section({"roundpipe": "yes"})
+        config_file.split_section({"roundpipe": "yes"})
 
 
 def test_config_command_writes_a_file_accelerate_reads_once_stripped(tmp_path):
@@ -28,12 +28,12 @@ def test_config_command_writes_a_file_accelerate_reads_once_stripped(tmp_path):
 
     path = cli.config_command(["--config_file", str(tmp_path / "c.yaml"), "--devices", "cpu,cpu",
                                "--num_microbatches", "4", "--async_optimizer", "false"])
-    config = launch_config.read_config(path)
+    config = config_file.read_config(path)
     assert config["roundpipe"] == {"enabled": True, "devices": "cpu,cpu", "num_microbatches": 4,
                                    "async_optimizer": False}
     assert config["num_processes"] == 1 and config["distributed_type"] == "NO"
     stripped = str(tmp_path / "stripped.yaml")
-    launch_config.write_config(launch_config.split_section(config)[0], stripped)
+    config_file.write_config(config_file.split_section(config)[0], stripped)
     assert load_config_from_file(stripped).num_processes == 1
     with pytest.raises(ValueError, match="not a boolean"):
         cli.config_command(["--config_file", str(tmp_path / "bad.yaml"), "--async_optimizer", "maybe"])
@@ -45,7 +45,7 @@ def _launched(argv: list[str], env: dict[str, str] | None = None):
 
     def fake_launch(args):
         seen["args"] = args
-        seen["config"] = launch_config.read_config(args.config_file) if args.config_file else None
+        seen["config"] = config_file.read_config(args.config_file) if args.config_file else None
         seen["env"] = {k: v for k, v in os.environ.items() if k.startswith("ROUNDPIPE_")}
 
     with mock.patch.dict(os.environ), mock.patch("accelerate.commands.launch.launch_command", fake_launch):
@@ -58,7 +58,7 @@ def _launched(argv: list[str], env: dict[str, str] | None = None):
 
 def test_launch_wraps_the_script_and_exports_the_section(tmp_path):
     config = str(tmp_path / "c.yaml")
-    launch_config.write_config({**launch_config.base_accelerate_config(use_cpu=True),
+    config_file.write_config({**config_file.base_accelerate_config(use_cpu=True),
                                 "roundpipe": {"devices": "cpu,cpu", "num_microbatches": 4}}, config)
     seen = _launched(["--roundpipe", "--config_file", config, "train.py", "--lr", "1"],
                      env={"ROUNDPIPE_NUM_MICROBATCHES": "2"})
@@ -76,11 +76,11 @@ def test_launch_wraps_the_script_and_exports_the_section(tmp_path):
 
 def test_launch_without_roundpipe_is_plain_accelerate(tmp_path):
     config = str(tmp_path / "c.yaml")
-    launch_config.write_config(launch_config.base_accelerate_config(use_cpu=True), config)
+    config_file.write_config(config_file.base_accelerate_config(use_cpu=True), config)
     seen = _launched(["--config_file", config, "train.py", "--lr", "1"])
     assert seen["args"].training_script == "train.py" and not seen["args"].module
     assert seen["args"].config_file == config and seen["env"] == {}
-    launch_config.write_config({**launch_config.base_accelerate_config(use_cpu=True),
+    config_file.write_config({**config_file.base_accelerate_config(use_cpu=True),
                                 "roundpipe": {"enabled": False, "devices": "cpu"}}, config)
     seen = _launched(["--config_file", config, "train.py"])
     assert seen["args"].training_script == "train.py" and "roundpipe" not in seen["config"]
@@ -90,16 +90,16 @@ def test_runpy_launcher_runs_a_script_with_roundpipe_installed(tmp_path, capsys)
     script = tmp_path / "probe.py"
     script.write_text("import sys, accelerate, transformers\n"
                       "print(accelerate.Accelerator.__name__, transformers.Trainer.__name__, sys.argv[1:])\n")
-    launcher.main([str(script), "--flag", "1"])
+    run_script.main([str(script), "--flag", "1"])
     out = capsys.readouterr().out
     assert "RoundPipeAccelerator RoundPipeTrainer ['--flag', '1']" in out
     import accelerate
 
     assert accelerate.Accelerator.__name__ == "Accelerator" and not install.is_installed()  # restored afterwards
-    launcher.main(["--help"])
+    run_script.main(["--help"])
     assert "usage: python -m accelerate_roundpipe.run" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such script"):
-        launcher.main([str(tmp_path / "missing.py")])
+        run_script.main([str(tmp_path / "missing.py")])
 
 
 def test_install_and_uninstall_swap_the_names():

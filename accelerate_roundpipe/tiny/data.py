@@ -1,6 +1,6 @@
 """Offline ingredients for small runs: the shipped text, a tokenizer trained on it locally, LM blocks, tiny configs.
 
-Shared by `python -m accelerate_roundpipe.train_tiny`, the examples and the integration tests, so none of them
+Shared by `python -m accelerate_roundpipe.tiny.train`, the examples and the integration tests, so none of them
 downloads anything. `write_assets(directory)` lays the same things out the way stock Hugging Face scripts expect them
 (`--tokenizer_name DIR --config_name DIR --train_file DIR/train.txt --validation_file DIR/validation.txt`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .tiny_corpus import TEXT
+from .corpus import TEXT
 
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "</s>"]
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-from .plugin import RoundPipePlugin
+from ..integrations.plugin import RoundPipePlugin
 
 _originals: dict[tuple[str, str], object] = {}
 
 
 def _targets() -> list[tuple[str, str, object]]:
-    from .accelerator import RoundPipeAccelerator
-    from .trainer import RoundPipeTrainer
-    from .training_args import RoundPipeTrainingArguments
+    from ..integrations.accelerator import RoundPipeAccelerator
+    from ..integrations.trainer import RoundPipeTrainer
+    from ..integrations.training_args import RoundPipeTrainingArguments
 
     return [
         ("accelerate", "Accelerator", RoundPipeAccelerator),
