@@ -26,11 +26,8 @@ class Dispatcher:
 
     def __init__(self, config: RoundPipeConfig, devices: list[Device], store: HostStore, failure: FailureFlag,
                  plan: MeasuredPlan, trace: TraceRecorder | None) -> None:
-        self.config = config
-        self.devices = devices
-        self.store = store
-        self.failure = failure
-        self.plan = plan
+        self.config, self.devices, self.store, self.failure = config, devices, store, failure
+        self.plan = plan  # decides which saved inputs may stay on the device ([Note: saved inputs])
         self.trace = trace
         self.workers: list[Worker] | None = None  # started on first use
         self.next_device = 0

@@ -80,12 +80,11 @@ class Worker:
         self.trace = trace
         device.trace = trace
         self.num_devices = num_devices
-        self.store = store
         self.failure = failure
         self.recompute = recompute
         self.base_seed = base_seed
         self.residency = ParamResidency(device, store, failure)
-        self.commits = GradCommits(device, store, failure, self.residency, trace)
+        self.grad_commits = GradCommits(device, store, failure, self.residency, trace)
         self.queue: queue.Queue[TaskJob | None] = queue.Queue()
         self._lookahead: collections.deque[TaskJob | None] = collections.deque()
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-{device}", daemon=True)
@@ -96,16 +95,16 @@ class Worker:
                               TaskKind.BACKWARD: self._backward_task}
 
     def start(self) -> None:
-        self.commits.start()
+        self.grad_commits.start()
         self.thread.start()
 
     def stop(self) -> None:
         self.queue.put(None)
-        self.commits.stop()
+        self.grad_commits.stop()
 
     @property
     def threads(self) -> list[threading.Thread]:
-        return [self.thread] + self.commits.threads
+        return [self.thread] + self.grad_commits.threads
 
     def _next_job(self) -> TaskJob | None:
         return self._lookahead.popleft() if self._lookahead else self.queue.get()
@@ -243,7 +242,7 @@ class Worker:
             grads = _input_grads(inputs)
             if commits and layer in commits:
                 tickets = commits.pop(layer)
-                self.commits.commit(job, params, tickets, last=not commits)
+                self.grad_commits.commit(job, params, tickets, last=not commits)
         return grads
 
     def _forward_segments(self, job: TaskJob, params: TaskParams, layers: range, mb: int,
@@ -261,7 +260,7 @@ class Worker:
     def _fused(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
         params = self._params(job, with_grad=True)
-        commits = self.commits.schedule(job)
+        commits = self.grad_commits.schedule(job)
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
             inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
@@ -281,7 +280,7 @@ class Worker:
                     grads = _input_grads(inputs)
             job.outputs[j].set(self._send_next(job, grads))
         self.residency.release(params)
-        return self.commits.finish(job, params, commits)
+        return self.grad_commits.finish(job, params, commits)
 
     def _loss(self, state, outputs: tuple, mb: int) -> torch.Tensor:
         if state.loss_fn is None:
@@ -303,7 +302,7 @@ class Worker:
     def _backward_task(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
         params = self._params(job, with_grad=True)
-        commits = self.commits.schedule(job)
+        commits = self.grad_commits.schedule(job)
         needs_input_grad = task.span.start > 0
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
@@ -320,7 +319,7 @@ class Worker:
                 grads = self._backward_layers(job, params, segments, grads, last)
             job.outputs[j].set(self._send_next(job, grads if needs_input_grad else ()))
         self.residency.release(params)
-        return self.commits.finish(job, params, commits)
+        return self.grad_commits.finish(job, params, commits)
 
     def _recompute_layer(self, job: TaskJob, params: TaskParams, layer: int, mb: int,
                          needs_input_grad: bool) -> tuple[int, tuple, tuple]:
