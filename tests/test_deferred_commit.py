@@ -35,7 +35,7 @@ def test_backward_scale_is_exact_whatever_was_expected(expected):
     data = batch(rows=7)
     ref_loss, ref = reference_loss_and_grads(model, *data)
     engine = make_engine(model)
-    engine.expected_grad_scale = expected
+    engine.expect_grad_scale(expected)
     loss = fb(engine, data)
     assert loss.requires_grad
     assert_close(loss.detach(), ref_loss, RTOL, "loss")
@@ -66,7 +66,7 @@ def test_accumulation_uses_the_pending_buffer():
     model = tied_model()
     first, second, g1, g2 = two_batches_and_their_grads(model)
     engine = make_engine(model)
-    engine.expected_grad_scale = 0.5
+    engine.expect_grad_scale(0.5)
     (fb(engine, first) / 2).backward()
     (fb(engine, second) * 0.25).backward()  # differs from the expected 0.5: still exact
     for name, grad in grads_of(engine).items():

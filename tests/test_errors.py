@@ -198,8 +198,7 @@ def test_gpu_out_of_memory_names_the_knobs():
 def test_short_batches_can_be_allowed_with_one_warning(caplog):
     import logging
 
-    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4))
-    engine.allow_short_batches = True
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4), allow_short_batches=True)
     x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
     reference = nn.functional.cross_entropy(small()(x), y)
     with caplog.at_level(logging.WARNING):
@@ -208,3 +207,15 @@ def test_short_batches_can_be_allowed_with_one_warning(caplog):
     assert torch.allclose(loss, reference) and caplog.text.count("Shown once") == 1
     assert engine.config.num_microbatches == 4
     engine.close()
+
+
+def test_every_task_kind_has_an_interpreter_and_a_missing_one_is_named():
+    from accelerate_roundpipe.plan.schedule import TaskKind
+
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=2))
+    fb(engine)
+    worker = engine._dispatch.workers[0]
+    assert set(worker._interpreters) == set(TaskKind)
+    del worker._interpreters[TaskKind.FUSED]
+    with pytest.raises(ValueError, match="no worker runs"):
+        fb(engine)

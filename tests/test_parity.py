@@ -191,7 +191,7 @@ def test_layer_copies_hold_no_device_tensors_between_tasks():
     engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=3))
     engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
     engine.synchronize()
-    copies = [c for w in engine._background.workers for c in w.copies.values()]
+    copies = [c for w in engine._dispatch.workers for c in w.residency.copies.values()]
     assert copies and all(module._parameters[attr] is None for c in copies for module, attr, _, _ in c._targets)
     engine.close()
 

@@ -120,7 +120,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
     def _convert(self, model: nn.Module) -> nn.Module:
         prepared, engine = convert_model(model, self.roundpipe_plugin)
         # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
-        engine.expected_grad_scale = 1.0 / self.gradient_accumulation_steps
+        engine.expect_grad_scale(1.0 / self.gradient_accumulation_steps)
         if engine not in self._roundpipe_engines:
             self._roundpipe_engines.append(engine)
         return prepared

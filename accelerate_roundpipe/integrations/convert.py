@@ -54,15 +54,15 @@ def convert_model(model: nn.Module, config: RoundPipeConfig) -> tuple[nn.Module,
         raise ValueError(f"the model is wrapped in {type(model).__name__}, but RoundPipe drives every GPU from one "
                          f"process and replaces data parallelism. Pass the bare model (`model.module`) and list the "
                          f"GPUs in `devices` (env ROUNDPIPE_DEVICES, e.g. 'cuda:0,cuda:1').")
+    # Stock loops keep the last, shorter batch of an epoch: [Note: short batches] in runtime/microbatches.py.
     if isinstance(model, nn.Sequential):
-        engine = RoundPipe(model, config)
+        engine = RoundPipe(model, config, allow_short_batches=True)
     else:
         try:
-            engine = wrap_model(model, config)
+            engine = wrap_model(model, config, allow_short_batches=True)
         except UnsupportedModelError as error:
             raise UnsupportedModelError(model, f"{error.problem}. {HOW_TO_TURN_OFF}") from error
         _patch_zero_grad(engine.module, engine)
-    engine.allow_short_batches = True  # [Note: short batches] in runtime/engine.py
     returned = user_facing(engine)
     for key in (model, returned, engine):
         _engines[key] = weakref.ref(engine)

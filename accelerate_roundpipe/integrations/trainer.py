@@ -137,7 +137,7 @@ class RoundPipeTrainer(Trainer):
         scale = 1.0 if scaled_for_ga else 1.0 / self.current_gradient_accumulation_steps
         if not self._runs_fused_step(engine, inputs):
             if engine is not None:
-                engine.expected_grad_scale = scale  # [Note: deferred gradient commit]
+                engine.expect_grad_scale(scale)  # [Note: deferred gradient commit]
             return super().training_step(model, inputs, num_items_in_batch)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):

@@ -49,14 +49,14 @@ class CausalLMRoundPipe(RoundPipe):
     """RoundPipe over a Hugging Face causal LM; build it with `wrap_model(model, config)`."""
 
     def __init__(self, model: nn.Module, config: RoundPipeConfig | None = None, *,
-                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> None:
+                 loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, allow_short_batches: bool = False) -> None:
         config = config if config is not None else RoundPipeConfig()
         kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
         if config.mlp_chunk_tokens is not None:
             tile_mlps([layer.decoder_layer for layer in split.layers if hasattr(layer, "decoder_layer")],
                       config.mlp_chunk_tokens)
-        super().__init__(model, config, layers=split.layers)
+        super().__init__(model, config, layers=split.layers, allow_short_batches=allow_short_batches)
         object.__setattr__(self, "split", split)
         self.fused_kernels = kernels_applied  # Liger kernels applied to the decoder layers (see models/kernels.py)
         self.train(model.training)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sync import FailureFlag
+from .host_store import Bucket, HostStore
+from .sync import FailureFlag, SerialExecutor
 
 
 @dataclass(eq=False)
@@ -32,21 +33,16 @@ class DeferredCommit:
     resolved: bool = False
 
 
-def route_commit(deferred: DeferredCommit, bucket, grad: torch.Tensor) -> torch.Tensor | None:
+def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor | None:
     """Where a deferred pass's gradients go; returns what to commit directly into the gradient buffer."""
     if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
         return grad
-    if bucket.index in deferred.pending_started:
-        bucket.pending.add_(grad)
-    else:
-        if bucket.pending is None:
-            bucket.pending = torch.empty_like(bucket.grad)
-        bucket.pending.copy_(grad)
-        deferred.pending_started.add(bucket.index)
+    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started)
+    deferred.pending_started.add(bucket.index)
     return None
 
 
-def resolve_job(deferred: DeferredCommit, bucket, ticket: int, ratio: float | None,
+def resolve_job(deferred: DeferredCommit, bucket: Bucket, ticket: int, ratio: float | None,
                 failure: FailureFlag) -> Callable[[], None]:
     """A host job committing one bucket's deferred gradients scaled by `ratio` (c / c0), or dropping them (None)."""
 
@@ -57,16 +53,58 @@ def resolve_job(deferred: DeferredCommit, bucket, ticket: int, ratio: float | No
             if owned is None:
                 return  # the pass left no gradient in this bucket
             if owned and ratio is None:
-                bucket.grad_valid = False
-                bucket.detach_grads()
+                bucket.clear()
             elif owned and ratio != 1.0:
-                bucket.grad.mul_(ratio)
+                bucket.scale(ratio)
             elif not owned and ratio is not None:
-                bucket.grad.add_(bucket.pending, alpha=ratio)
+                bucket.commit_pending(ratio)
         finally:
             bucket.grads.end(ticket)
 
     return resolve_bucket
+
+
+class DeferredPasses:
+    """An engine's deferred passes: the one whose loss awaits its backward, and their resolution, run as ticketed
+    gradient operations on a host thread of their own (started at the first resolution).
+
+    The lagged optimizer holds this object (not the engine) to drop a pass never back-propagated before it steps
+    or clears the gradients."""
+
+    def __init__(self, store: HostStore, failure: FailureFlag) -> None:
+        self.store = store
+        self.failure = failure
+        self.expected_scale = 1.0  # the scale a deferred loss's backward is expected to bring (c0)
+        self.host_ops: SerialExecutor | None = None
+        self._pending: DeferredCommit | None = None
+
+    def awaiting_backward(self, deferred: DeferredCommit) -> None:
+        """`deferred`'s loss went to the caller: drop the pass at the next `drop_pending()` unless it is resolved."""
+        self._pending = deferred
+
+    def drop_pending(self) -> None:
+        """Drop the gradients of a deferred pass whose loss was never back-propagated."""
+        if self._pending is not None:
+            self.resolve(self._pending, None)
+
+    def resolve(self, deferred: DeferredCommit, scale: float | None) -> None:
+        """Commit (`scale` = the loss's gradient) or drop (`None`) a deferred pass's gradients."""
+        if deferred.resolved:
+            raise RuntimeError("backward ran twice through the same RoundPipe loss; its gradients were already "
+                               "committed (or dropped by a later pass or optimizer step).")
+        deferred.resolved = True
+        if self._pending is deferred:
+            self._pending = None
+        ratio = None if scale is None else scale / deferred.expected_scale
+        if self.host_ops is None:
+            self.host_ops = SerialExecutor(self.failure, "roundpipe-host-ops")
+        for bucket in self.store.trainable_buckets:
+            ticket = bucket.grads.reserve()
+            self.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
+
+    def wait_idle(self) -> None:
+        if self.host_ops is not None:
+            self.host_ops.wait_idle()
 
 
 class DeferredLoss(torch.autograd.Function):
@@ -74,11 +112,13 @@ class DeferredLoss(torch.autograd.Function):
     gradient."""
 
     @staticmethod
-    def forward(ctx, engine, deferred: DeferredCommit, anchor: torch.Tensor, loss: torch.Tensor):
-        ctx.engine, ctx.deferred = engine, deferred
+    def forward(ctx, engine, passes: DeferredPasses, deferred: DeferredCommit, anchor: torch.Tensor,
+                loss: torch.Tensor):
+        # The loss keeps its engine, and so the engine's threads, alive until it is back-propagated or dropped.
+        ctx.engine, ctx.passes, ctx.deferred = engine, passes, deferred
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.engine._resolve(ctx.deferred, float(grad))
-        return None, None, None, None
+        ctx.passes.resolve(ctx.deferred, float(grad))
+        return None, None, None, None, None

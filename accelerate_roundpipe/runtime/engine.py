@@ -1,7 +1,8 @@
-"""`RoundPipe`: the engine facade. Builds the plan, enqueues tasks on the device workers, returns results.
+"""`RoundPipe`: the engine facade. Builds each pass, hands its tasks to the dispatcher, returns results.
 
-All tickets of [Note: per-layer events] are reserved here, on the caller's thread, in program order: this is what
-makes the results independent of thread timing. Call the engine from one thread.
+All tickets of [Note: per-layer events] are reserved on the caller's thread, in program order (by the dispatcher, the
+deferred passes and the optimizer's `step`/`zero_grad`): this is what makes the results independent of thread
+timing. Call the engine from one thread.
 """
 
 from __future__ import annotations
@@ -19,63 +20,43 @@ from torch import nn
 from ..config import RoundPipeConfig
 from ..plan.layer_costs import LayerCosts
 from ..plan.partition import Partition, plan_partition
-from ..plan.schedule import Mode, Task, TaskKind, build_schedule
+from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.trace import TraceRecorder, maybe_span
-from .deferred import DeferredCommit, DeferredLoss, resolve_job
-from .device import Device, Payload, use_expandable_segments
+from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
+from .device import Device, use_expandable_segments
+from .dispatch import Dispatcher
 from .host_store import HostStore
-from .jobs import PassState, TaskJob, split_rows
+from .jobs import PassState
 from .measured_plan import MeasuredPlan
+from .microbatches import MicrobatchPolicy, split_rows, tensor_tuple
 from .optimizer import LaggedOptimizer
-from .sync import FailureFlag, Future, SerialExecutor
-from .worker import Worker
+from .sync import FailureFlag, Future
 
-_KEEP_SCHEDULES = 4
 logger = logging.getLogger(__name__)
-
-
-def _tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
-    values = values if isinstance(values, (tuple, list)) else (values,)
-    for v in values:
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"{what} must be tensors (split along dim 0 into micro-batches); got {type(v).__name__}.")
-    return tuple(values)
 
 
 @dataclass
 class _Background:
     """The engine's threads, held apart from it so that a finalizer can stop them without keeping it alive."""
 
-    workers: list[Worker] | None = None
+    dispatch: Dispatcher  # the device workers, started on first use
+    deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
     optimizer: LaggedOptimizer | None = None
-    host_ops: SerialExecutor | None = None  # resolves deferred commits ([Note: deferred gradient commit])
 
     def stop(self, join_timeout_s: float = 10.0) -> None:
         """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts)."""
         threads = []
-        for worker in self.workers or []:
+        for worker in self.dispatch.workers or []:
             worker.stop()
             threads.extend(worker.threads)
-        for executor in (self.optimizer.thread if self.optimizer is not None else None, self.host_ops):
+        for executor in (self.optimizer.thread if self.optimizer is not None else None, self.deferred.host_ops):
             if executor is not None:
                 executor.stop()
                 threads.append(executor.thread)
         for thread in threads:
             if thread is not threading.current_thread() and thread.ident is not None:
                 thread.join(join_timeout_s)
-
-
-def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
-    """A callback that does not keep the engine alive (its threads stop when it is collected)."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 class RoundPipe(nn.Module):
@@ -92,7 +73,7 @@ class RoundPipe(nn.Module):
     """
 
     def __init__(self, module: nn.Module, config: RoundPipeConfig | None = None, *,
-                 layers: nn.Sequential | None = None) -> None:
+                 layers: nn.Sequential | None = None, allow_short_batches: bool = False) -> None:
         super().__init__()
         pipeline = module if layers is None else layers
         if not isinstance(pipeline, nn.Sequential):
@@ -120,23 +101,14 @@ class RoundPipe(nn.Module):
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
-        self._background = _Background()  # worker, optimizer and host-ops threads, started on first use
-        self._pending: DeferredCommit | None = None
-        self.expected_grad_scale = 1.0  # the scale a deferred loss's backward is expected to bring
-        # [Note: short batches]
-        # An explicit `num_microbatches` larger than a training batch is an error (silently running fewer
-        # micro-batches than asked would hide a configuration mistake). Stock loops and the Trainer keep the last,
-        # shorter batch of every epoch (`drop_last=False`), so an 8-micro-batch run would stop at the first epoch end
-        # with a 5-row batch: for the models it prepares, the integration (`integrations/convert.py`) sets this, and
-        # such a batch runs with as many micro-batches as it has rows, with one warning per engine.
-        self.allow_short_batches = False
-        self._warned_short_batch = False
-        self._next_device = 0
         self._num_passes = 0
-        self._inflight: list[Future] = []
-        self._schedules: dict[int, list[Task]] = {}
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
         self._plan = MeasuredPlan(self.config, self.devices, self._store)  # [Note: measured plan]
+        # `allow_short_batches`: see [Note: short batches].
+        self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
+        self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
+        self._deferred = DeferredPasses(self._store, self._failure)
+        self._background = _Background(self._dispatch, self._deferred)  # the threads, started on first use
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
@@ -174,9 +146,8 @@ class RoundPipe(nn.Module):
             self.synchronize()
             self.optimizer.close()
         self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
-                                                 self.config.resolved_async_optimizer,
-                                                 before_grad_use=_weak_call(self.drop_pending_gradients),
-                                                 trace=self.trace)
+                                                     self.config.resolved_async_optimizer,
+                                                     deferred_passes=self._deferred, trace=self.trace)
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
@@ -193,29 +164,29 @@ class RoundPipe(nn.Module):
         `grad_scale`.
 
         With `deferred=True` the returned loss carries an autograd node: `backward()` reaching it with gradient c
-        commits the pass's gradients scaled by c (`grad_scale` is ignored; `expected_grad_scale` is the c the
+        commits the pass's gradients scaled by c (`grad_scale` is ignored; `expect_grad_scale` sets the c the
         pipeline assumes, exact either way), and a pass never back-propagated is dropped at the next pass,
         `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit].
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         self._before_pass()
-        inputs = _tensor_tuple(inputs, "forward_backward inputs")
-        rows, num_mb, mb_inputs = self._split(inputs)
+        inputs = tensor_tuple(inputs, "forward_backward inputs")
+        rows, num_mb, mb_inputs = self._microbatches.split(inputs)
         self.counters.count(inputs[0])
-        mb_labels = split_rows(_tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
+        mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
         mb_rows = [x[0].shape[0] for x in mb_inputs]
         shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]
-        scale = self.expected_grad_scale if deferred else grad_scale
+        scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
-            raise ValueError("expected_grad_scale must be non-zero.")
+            raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
         state = PassState(self._new_pass_index(), Mode.TRAIN, self.module.training, mb_rows,
                           self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
         state.profile = self._plan.profile_for_pass(len(self.layers))
-        jobs = self._enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
+        jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         if state.profile is not None:
             self._plan.measured(state.profile, jobs, num_mb, rows)
         self._release_writebacks()
@@ -226,40 +197,30 @@ class RoundPipe(nn.Module):
             total = total + loss * share
         if not deferred:
             return total
-        self._pending = state.deferred
-        return DeferredLoss.apply(self, state.deferred, torch.empty(0, requires_grad=True), total)
+        self._deferred.awaiting_backward(state.deferred)
+        return DeferredLoss.apply(self, self._deferred, state.deferred, torch.empty(0, requires_grad=True), total)
 
     def drop_pending_gradients(self) -> None:
         """Drop the gradients of a deferred pass whose loss was never back-propagated."""
-        if self._pending is not None:
-            self._resolve(self._pending, None)
+        self._deferred.drop_pending()
 
-    def _resolve(self, deferred: DeferredCommit, scale: float | None) -> None:
-        """Commit (`scale` = the loss's gradient) or drop (`None`) a deferred pass's gradients."""
-        if deferred.resolved:
-            raise RuntimeError("backward ran twice through the same RoundPipe loss; its gradients were already "
-                               "committed (or dropped by a later pass or optimizer step).")
-        deferred.resolved = True
-        if self._pending is deferred:
-            self._pending = None
-        ratio = None if scale is None else scale / deferred.expected_scale
-        if self._background.host_ops is None:
-            self._background.host_ops = SerialExecutor(self._failure, "roundpipe-host-ops")
-        for bucket in self._store.trainable_buckets:
-            ticket = bucket.grads.reserve()
-            self._background.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self._failure))
+    def expect_grad_scale(self, scale: float) -> None:
+        """Deferred passes from now on expect their loss's backward to bring gradient `scale`: exact whatever it
+        brings, one host pass cheaper when it brings that ([Note: deferred gradient commit]). The integrations that
+        drive a loop call this: its passes come through the model's forward, which takes no engine arguments."""
+        self._deferred.expected_scale = scale
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
         self._before_pass()
-        inputs = _tensor_tuple(inputs, "forward inputs")
-        rows, num_mb, mb_inputs = self._split(inputs, strict=False)
+        inputs = tensor_tuple(inputs, "forward inputs")
+        rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
         state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training,
                           [x[0].shape[0] for x in mb_inputs], saved)
-        self._enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
+        self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
             self._release_writebacks()
         pieces = [f.take(self._failure).host() for f in state.outputs]
@@ -285,7 +246,7 @@ class RoundPipe(nn.Module):
         mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
         backward_state = PassState(state.index, Mode.BACKWARD, state.training, rows, state.saved_layers)
         backward_state.saved = state.saved
-        jobs = self._enqueue(self._schedule(len(rows), Mode.BACKWARD), backward_state, mb_grads)
+        jobs = self._dispatch.enqueue(self._schedule(len(rows), Mode.BACKWARD), backward_state, mb_grads)
         self._release_writebacks()
         for job in jobs:
             job.done.get(self._failure)
@@ -299,11 +260,8 @@ class RoundPipe(nn.Module):
         self._failure.check()
         if self.optimizer is not None:
             self.optimizer.release_writebacks()
-        for done in self._inflight:
-            done.get(self._failure)
-        self._inflight.clear()
-        if self._background.host_ops is not None:
-            self._background.host_ops.wait_idle()
+        self._dispatch.wait_inflight()
+        self._deferred.wait_idle()
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self._failure.check()
@@ -332,15 +290,14 @@ class RoundPipe(nn.Module):
     def engine_state(self) -> dict[str, int]:
         """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
         count of the per-layer RNG streams (dropout masks) and where the round-robin dispatch stands."""
-        return {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._next_device}
+        return {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device}
 
     def load_engine_state(self, state: dict[str, int]) -> None:
         self.synchronize()
         self._seed = int(state["seed"])
         self._num_passes = int(state["num_passes"])
-        self._next_device = int(state["next_device"]) % len(self.devices)
-        for worker in self._background.workers or []:
-            worker.base_seed = self._seed
+        self._dispatch.next_device = int(state["next_device"]) % len(self.devices)
+        self._dispatch.reseed(self._seed)
 
     def load_optimizer_copies(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load full-precision weights (named as in `named_parameters()`) into the optimizer copies, and the
@@ -358,11 +315,15 @@ class RoundPipe(nn.Module):
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
         return self._schedule(num_microbatches, Mode(mode))
 
+    def num_microbatches_for(self, rows: int) -> int:
+        """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
+        choice, else twice the device count; never more than the rows."""
+        return self._microbatches.count_for(rows)
+
     # ------------------------------------------------------------------ internals
 
     def _schedule(self, num_mb: int, mode: Mode) -> list[Task]:
-        per_round = self.config.microbatches_per_round or num_mb
-        return build_schedule(self.partition, num_mb, per_round, len(self.devices), self._next_device, mode)
+        return self._dispatch.schedule(self.partition, num_mb, mode)
 
     def _new_pass_index(self) -> int:
         self._num_passes += 1
@@ -379,96 +340,13 @@ class RoundPipe(nn.Module):
                         "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
                         "optimizer also writes the compute copies the devices use.")
-        if self._background.workers is None:
-            self._background.workers = [
-                Worker(d, self._store, self._failure, self.config.resolved_recompute, self._seed, len(self.devices),
-                       self.trace) for d in self.devices]
-            for worker in self._background.workers:
-                worker.schedules = self._schedules
-                worker.start()
+        if self._dispatch.start_workers(self._seed):
             weakref.finalize(self, self._background.stop)
-        self._inflight = [f for f in self._inflight if not f.done]
-
-    def _split(self, inputs: tuple[torch.Tensor, ...], strict: bool = True) -> tuple[int, int, list[tuple]]:
-        """Split into micro-batches. `strict=False` (forward-only passes, e.g. evaluation or generation of a
-        small batch) lowers an explicit micro-batch count to the batch size instead of raising."""
-        if not inputs:
-            raise ValueError("RoundPipe needs at least one input tensor.")
-        rows = inputs[0].shape[0] if inputs[0].dim() else 0
-        for t in inputs:
-            if t.dim() == 0 or t.shape[0] != rows:
-                raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
-                                 f"{[tuple(x.shape) for x in inputs]}.")
-        requested = self.config.num_microbatches
-        if requested is not None and rows < requested and strict:
-            if not self.allow_short_batches:
-                raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
-                                 f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} "
-                                 f"or use a batch of at least {requested} rows.")
-            if not self._warned_short_batch:
-                logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
-                               "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
-                               rows, requested, rows)
-                self._warned_short_batch = True
-        if rows < 1:
-            raise ValueError("the batch is empty.")
-        num_mb = self.num_microbatches_for(rows)
-        return rows, num_mb, split_rows(inputs, num_mb)
-
-    def num_microbatches_for(self, rows: int) -> int:
-        """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
-        choice, else twice the device count; never more than the rows."""
-        requested = self.config.num_microbatches
-        chosen = self._plan.chosen_microbatches
-        return min(requested if requested is not None else chosen or 2 * len(self.devices), rows)
+        self._dispatch.forget_finished()
 
     def _release_writebacks(self) -> None:
         if self.optimizer is not None:
             self.optimizer.release_writebacks()
-
-    def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
-        """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).
-        A forward-only pass (`model(...)`) does not know its backward schedule yet: with one device it is that one."""
-        if mode is Mode.TRAIN:
-            return {(t.round_index, layer): t.device_index for t in tasks if t.kind is not TaskKind.FORWARD
-                    for layer in t.span.layers}
-        if len(self.devices) == 1:
-            return {(t.round_index, layer): 0 for t in tasks for layer in t.span.layers}
-        return {}
-
-    def _enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
-        self._schedules[state.index] = tasks
-        for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
-            del self._schedules[old]
-        store = self._store
-        reader = self._saved_input_readers(tasks, state.mode)
-        state.keep_limit_bytes = self._plan.keep_limit_bytes
-        previous: dict[int, list[Future]] = {}
-        jobs = []
-        for index, task in enumerate(tasks):
-            mbs = range(*task.microbatches)
-            inputs = previous.get(task.round_index)
-            if inputs is None:
-                inputs = [Future() for _ in mbs]
-                for future, mb in zip(inputs, mbs):
-                    future.set(Payload(first_inputs[mb]))
-            outputs = [Future(f"output of {task} micro-batch {mb}") for mb in mbs]
-            buckets = store.buckets_of_layers(task.span.layers)
-            reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
-            grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
-                     if task.needs_grad and store.buckets[b].trainable]
-            following = tasks[index + 1] if index + 1 < len(tasks) else None
-            next_worker = following.device_index if following and following.round_index == task.round_index else None
-            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker,
-                          keep_saved=frozenset(layer for layer in task.span.layers
-                                               if reader.get((task.round_index, layer)) == task.device_index))
-            previous[task.round_index] = outputs
-            jobs.append(job)
-            self._inflight.append(job.done)
-            self._background.workers[task.device_index].queue.put(job)
-        state.outputs = [f for r in sorted(previous) for f in previous[r]]
-        self._next_device = (tasks[-1].device_index + 1) % len(self.devices)
-        return jobs
 
     # ------------------------------------------------------------------ nn.Module behaviour
 

@@ -61,7 +61,7 @@ class Bucket:
     grads: Sequencer = field(default_factory=Sequencer)
     grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
-    pending: torch.Tensor | None = None  # gradients of a deferred pass awaiting its scale ([Note: deferred ...])
+    pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
 
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"
@@ -70,12 +70,52 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
-    def attach_grads(self) -> None:
+    # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
+    # bucket's gradient turn (`grads`), on whichever host thread holds it.
+
+    def commit(self, grad: torch.Tensor) -> torch.Tensor:
+        """Commit downloaded gradients: add them to a buffer that holds gradients, or swap the download in as the
+        buffer of an empty one ([Note: gradient swap]). Returns the spare buffer nobody reads any more."""
+        if self.grad_valid:
+            self.grad.add_(grad)
+            return grad
+        spare, self.grad = self.grad, grad
+        self.grad_valid = True
+        self._attach_grads()
+        return spare
+
+    def clear(self) -> None:
+        """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites."""
+        self.grad_valid = False
+        self._detach_grads()
+
+    def zero(self) -> None:
+        """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
+        if self.grad_valid:
+            self.grad.zero_()
+
+    def scale(self, ratio: float) -> None:
+        self.grad.mul_(ratio)
+
+    def add_pending(self, grad: torch.Tensor, first: bool) -> None:
+        """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
+        sum, overwriting what an earlier pass left ([Note: deferred gradient commit])."""
+        if not first:
+            self.pending.add_(grad)
+            return
+        if self.pending is None:
+            self.pending = torch.empty_like(self.grad)
+        self.pending.copy_(grad)
+
+    def commit_pending(self, ratio: float) -> None:
+        self.grad.add_(self.pending, alpha=ratio)
+
+    def _attach_grads(self) -> None:
         assert self.grad is not None
         for slot, view in zip(self.slots, self.views(self.grad)):
             slot.optim.grad = view
 
-    def detach_grads(self) -> None:
+    def _detach_grads(self) -> None:
         for slot in self.slots:
             slot.optim.grad = None
 

@@ -6,8 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..plan.schedule import Mode, Task
 from .deferred import DeferredCommit
 from .sync import Future
@@ -53,8 +51,3 @@ class TaskJob:
     keep_saved: frozenset[int] = frozenset()  # layers whose saved input this worker's backward will read
     done: Future = field(default_factory=lambda: Future("a task to finish"))
 
-
-def split_rows(tensors: tuple[torch.Tensor, ...], num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
-    """Split every tensor along dim 0 into `num_microbatches` slices (the first ones one row larger if uneven)."""
-    parts = [torch.tensor_split(t, num_microbatches, dim=0) for t in tensors]
-    return [tuple(p[i] for p in parts) for i in range(num_microbatches)]

@@ -20,6 +20,7 @@ import torch
 
 from ..telemetry.trace import maybe_span
 from . import faults
+from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
 from .sync import FailureFlag, SerialExecutor
 
@@ -45,7 +46,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
-                 async_step: bool, before_grad_use: Callable[[], None] | None = None, trace=None) -> None:
+                 async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None) -> None:
         # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -61,9 +62,9 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.store = store
         self.failure = failure
         self.async_step = async_step
-        self._before_grad_use = before_grad_use  # the engine drops never-committed deferred gradients here
+        self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
-        self._deferred: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
+        self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._check_params()
         prefer_fused(inner)
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
@@ -87,8 +88,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
             raise ValueError("RoundPipe's lagged optimizer takes no closure: the step runs in the background after "
                              "the pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
-        if self._before_grad_use is not None:
-            self._before_grad_use()
+        self._drop_pending_passes()
         self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
         snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
@@ -96,7 +96,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
             ticket = bucket.grads.reserve()
             self.thread.submit(self._step_job(bucket, ticket, member_groups))
             if self.async_step:
-                self._deferred.append(bucket)
+                self._held_writebacks.append(bucket)
             else:
                 self._submit_writeback(bucket)
 
@@ -139,14 +139,13 @@ class LaggedOptimizer(torch.optim.Optimizer):
 
     def release_writebacks(self) -> None:
         """Reserve the held write-backs after the reads reserved so far (called by the engine)."""
-        deferred, self._deferred = self._deferred, []
-        for bucket in deferred:
+        held, self._held_writebacks = self._held_writebacks, []
+        for bucket in held:
             self._submit_writeback(bucket)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
-        if self._before_grad_use is not None:
-            self._before_grad_use()
+        self._drop_pending_passes()
         for bucket in self._step_order:
             ticket = bucket.grads.reserve()
 
@@ -154,14 +153,17 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for zero_grad")
                 try:
                     if set_to_none:
-                        bucket.grad_valid = False
-                        bucket.detach_grads()
-                    elif bucket.grad_valid:
-                        bucket.grad.zero_()
+                        bucket.clear()
+                    else:
+                        bucket.zero()
                 finally:
                     bucket.grads.end(ticket)
 
             self.thread.submit(zero)
+
+    def _drop_pending_passes(self) -> None:
+        if self._deferred_passes is not None:
+            self._deferred_passes.drop_pending()
 
     def synchronize(self) -> None:
         self.release_writebacks()

@@ -1,7 +1,8 @@
-"""One thread per device: runs its tasks in dispatch order (one interpreter per task kind).
+"""One thread per device: runs its tasks in dispatch order, one interpreter per task kind (forward, fused, backward).
 
-Each worker also has a commit thread that commits the gradients it downloaded to the host store (so the device moves
-on to its next task at once), and it starts uploading the next task's parameters while the current task computes.
+The parameters come and go through the device's `ParamResidency` (which starts uploading the next task's parameters
+while the current task computes); the gradients leave through `GradCommits`, whose commit thread commits them to the
+host store so the device moves on to its next task at once.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import torch
 from ..plan.schedule import Task, TaskKind, format_schedule
 from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
-from .deferred import route_commit
 from .device import Device, Payload, stream_seed
+from .grad_commit import GradCommits
 from .host_store import HostStore
 from .jobs import TaskJob
-from .layer_copy import LayerCopy
 from .layer_profile import BACKWARD, FORWARD, FORWARD_WITH_GRAPH
-from .sync import FailureFlag, SerialExecutor, mark_engine_thread
+from .residency import ParamResidency, TaskParams
+from .sync import FailureFlag, mark_engine_thread
 
 logger = logging.getLogger(__name__)
 _NO_PROFILE = contextlib.nullcontext()
@@ -72,27 +73,6 @@ def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
     return explained
 
 
-class _TaskParams:
-    """Parameters of one task on the device.
-
-    `flats[b]` is bucket b's uploaded compute copy and `events[b]` its copy event, waited for on the compute stream
-    only when the first layer using the bucket runs (`pending`). For a task that computes gradients, every
-    trainable parameter is a leaf view of its flat whose `.grad` is preset to a view of a zeroed flat `grads[b]`:
-    autograd then accumulates each micro-batch's gradients in place into one flat buffer per bucket, ready to
-    download as is (views that require grad on a flat that requires grad would instead cost a full-size zero
-    tensor per parameter per backward). `tickets` are the read tickets held until the copies have read the host.
-    """
-
-    __slots__ = ("flats", "events", "pending", "tickets", "grads", "views")
-
-    def __init__(self, flats: dict[int, torch.Tensor], events: dict[int, object],
-                 tickets: list[tuple[int, int]]) -> None:
-        self.flats, self.events, self.tickets = flats, events, tickets
-        self.pending = {b for b, e in events.items() if e is not None}
-        self.grads: dict[int, torch.Tensor] = {}
-        self.views: dict[int, list[torch.Tensor]] = {}
-
-
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
                  base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
@@ -100,32 +80,31 @@ class Worker:
         self.trace = trace
         device.trace = trace
         self.num_devices = num_devices
-        self.store = store
         self.failure = failure
         self.recompute = recompute
         self.base_seed = base_seed
-        self.copies: dict[int, LayerCopy] = {}
+        self.residency = ParamResidency(device, store, failure)
+        self.grad_commits = GradCommits(device, store, failure, self.residency, trace)
         self.queue: queue.Queue[TaskJob | None] = queue.Queue()
         self._lookahead: collections.deque[TaskJob | None] = collections.deque()
-        self._prefetched: dict[int, _TaskParams] = {}  # id(job) -> its parameters already in flight
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-{device}", daemon=True)
-        self.committer: SerialExecutor | None = None
         self.schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for error reports
-        self._task_ends: collections.deque = collections.deque()  # end events of queued tasks ([Note: bounded ...])
-        self._bound: range = range(0)  # layers whose copies hold the running task's tensors
+        # end events of queued tasks ([Note: bounded run-ahead])
+        self._task_ends: collections.deque = collections.deque()
+        self._interpreters = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused,
+                              TaskKind.BACKWARD: self._backward_task}
 
     def start(self) -> None:
-        self.committer = SerialExecutor(self.failure, f"roundpipe-commit-{self.device}")
+        self.grad_commits.start()
         self.thread.start()
 
     def stop(self) -> None:
         self.queue.put(None)
-        if self.committer is not None:
-            self.committer.stop()
+        self.grad_commits.stop()
 
     @property
     def threads(self) -> list[threading.Thread]:
-        return [self.thread] + ([self.committer.thread] if self.committer is not None else [])
+        return [self.thread] + self.grad_commits.threads
 
     def _next_job(self) -> TaskJob | None:
         return self._lookahead.popleft() if self._lookahead else self.queue.get()
@@ -167,77 +146,17 @@ class Worker:
 
     # ----------------------------------------------------------------- parameters
 
-    def _copy(self, layer_index: int) -> LayerCopy:
-        copy = self.copies.get(layer_index)
-        if copy is None:
-            copy = LayerCopy(self.store.layers[layer_index], layer_index, self.store.layer_bindings[layer_index],
-                             self.device.device)
-            self.copies[layer_index] = copy
-        return copy
-
-    def _start_upload(self, job: TaskJob, wait: bool) -> _TaskParams | None:
-        """Issue the uploads of `job`'s parameters; without `wait`, only if every version it needs is ready."""
-        buckets = self.store.buckets
-        if not wait and not all(buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
-            return None
-        hosts = []
-        for bucket_index, epoch in job.read_tickets:
-            buckets[bucket_index].reads.begin_read(epoch, self.failure,
-                                                   f"{buckets[bucket_index]} version {epoch} for {job.task}")
-            hosts.append(buckets[bucket_index].compute)
-        flats, events = self.device.upload_params(hosts)
-        indices = [b for b, _ in job.read_tickets]
-        params = _TaskParams(dict(zip(indices, flats)), dict(zip(indices, events)), job.read_tickets)
-        if not params.pending:
-            self._release(params)
-        return params
-
-    def _release(self, params: _TaskParams) -> None:
-        """Release the read tickets once the copies have read the host buffers (they run in order on one stream:
-        the last event covers them all)."""
-        last = next((e for e in reversed(list(params.events.values())) if e is not None), None)
-        if last is not None:
-            last.synchronize()
-        for bucket_index, epoch in params.tickets:
-            self.store.buckets[bucket_index].reads.end_read(epoch)
-        params.tickets = []
-
-    def _params(self, job: TaskJob, with_grad: bool) -> _TaskParams:
+    def _params(self, job: TaskJob, with_grad: bool) -> TaskParams:
         """The task's parameters on the device, bound into the layer copies of its span (once per task)."""
-        params = self._prefetched.pop(id(job), None) or self._start_upload(job, wait=True)
-        nxt = self._peek_job()
-        if nxt is not None and id(nxt) not in self._prefetched:
-            early = self._start_upload(nxt, wait=False)  # overlaps this task's compute
-            if early is not None:
-                self._prefetched[id(nxt)] = early
-        for bucket_index, flat in params.flats.items():
-            bucket = self.store.buckets[bucket_index]
-            views = bucket.views(flat)
-            if with_grad and bucket.trainable:
-                grad = torch.zeros_like(flat)
-                for view, grad_view in zip(views, bucket.views(grad)):
-                    view.requires_grad_(True)
-                    view.grad = grad_view
-                params.grads[bucket_index] = grad
-            params.views[bucket_index] = views
-        for layer in job.task.span.layers:
-            self._copy(layer).bind(params.views)
-        self._bound = job.task.span.layers
+        params = self.residency.take(job)
+        self.residency.prefetch(self._peek_job())  # overlaps this task's compute
+        self.residency.bind(job, params, with_grad)
         return params
 
-    def _await_params(self, params: _TaskParams, layer_index: int) -> None:
-        """Make the compute stream wait for the buckets of `layer_index` that are still being copied."""
-        if not params.pending:
-            return
-        for bucket_index in self.store.layer_buckets[layer_index]:
-            if bucket_index in params.pending:
-                params.pending.discard(bucket_index)
-                self.device.use_params([params.flats[bucket_index]], params.events[bucket_index])
-
-    def _run_layer(self, job: TaskJob, params: _TaskParams, layer_index: int, microbatch: int,
+    def _run_layer(self, job: TaskJob, params: TaskParams, layer_index: int, microbatch: int,
                    args: tuple) -> tuple:
-        self._await_params(params, layer_index)
-        copy = self._copy(layer_index)
+        self.residency.await_layer(params, layer_index)
+        copy = self.residency.copy(layer_index)
         copy.set_training(job.state.training)
         versions = copy.buffer_versions()
         profile = job.state.profile
@@ -251,74 +170,21 @@ class Worker:
     def _send_next(self, job: TaskJob, tensors: tuple) -> Payload:
         return self.device.send(tensors, keep_on_device=job.next_worker == self.device.index)
 
-    # ----------------------------------------------------------------- gradients
-
-    def _commit_schedule(self, job: TaskJob) -> dict[int, list[tuple[int, int]]]:
-        """layer -> the grad tickets whose buckets are complete once the last micro-batch's backward has passed
-        that layer (the lowest layer of the span using the bucket), so each download overlaps the layers below."""
-        lowest_user: dict[int, int] = {}
-        for layer in job.task.span.layers:
-            for bucket_index in self.store.layer_buckets[layer]:
-                lowest_user.setdefault(bucket_index, layer)
-        by_layer: dict[int, list[tuple[int, int]]] = {}
-        for bucket_index, ticket in job.grad_tickets:
-            by_layer.setdefault(lowest_user[bucket_index], []).append((bucket_index, ticket))
-        return by_layer
-
-    def _commit(self, job: TaskJob, params: _TaskParams, tickets: list[tuple[int, int]], last: bool) -> None:
-        """Download the gradients of `tickets`' buckets and let the commit thread commit them on the host (so the
-        device moves on at once); the commit of the task's `last` group sets `job.done`."""
-        # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
-        outs = [self.store.grad_pool.take(self.store.buckets[b].optim) for b, _ in tickets]
-        payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
-        if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
-            self._unbind()
-        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
-
-    def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
-        try:
-            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
-                grads = payload.host()
-            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
-                self._add_grads(job, tickets, grads)
-        finally:
-            if last:
-                job.done.set(True)
-
-    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: tuple) -> None:
-        """Commit downloaded gradients in their buckets' turn: add them to a buffer that holds gradients, or swap the
-        download in as the buffer of an empty one ([Note: gradient swap])."""
-        for (bucket_index, ticket), grad in zip(tickets, grads):
-            bucket = self.store.buckets[bucket_index]
-            spare = grad  # what goes back to the pool once this commit is done
-            bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
-            try:
-                faults.point("commit")
-                if job.state.deferred is not None:
-                    grad = route_commit(job.state.deferred, bucket, grad)
-                if grad is not None:
-                    if bucket.grad_valid:
-                        bucket.grad.add_(grad)
-                    else:
-                        spare, bucket.grad = bucket.grad, grad
-                        bucket.grad_valid = True
-                        bucket.attach_grads()
-            finally:
-                bucket.grads.end(ticket)
-            self.store.grad_pool.give(spare)
-
     # ----------------------------------------------------------------- task kinds
 
     def _run(self, job: TaskJob) -> bool:
         """Run one task; True when its commit thread will set `job.done`."""
         faults.point("worker.task")
-        run = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused}.get(job.task.kind, self._backward_task)
+        run = self._interpreters.get(job.task.kind)
+        if run is None:
+            raise ValueError(f"task {job.task} has kind {job.task.kind!r}, which no worker runs (known kinds: "
+                             f"{', '.join(str(k) for k in self._interpreters)}).")
         self._bound_run_ahead()
         with self.device.compute(), maybe_span(self.trace, f"{self.device} host", str(job.task)):
             try:
                 return self._run_traced(run, job)
             finally:
-                self._unbind()
+                self.residency.unbind()
                 if self.device.is_cuda:
                     self._task_ends.append(self.device.compute_stream.record_event())
 
@@ -333,12 +199,6 @@ class Worker:
         finally:
             end.record(self.device.compute_stream)
             self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
-
-    def _unbind(self) -> None:
-        """Unbind the running task's layer copies (once: before its last commit, else when it ends)."""
-        for layer in self._bound:
-            self._copy(layer).unbind()
-        self._bound = range(0)
 
     def _bound_run_ahead(self) -> None:
         """[Note: bounded run-ahead]
@@ -367,10 +227,10 @@ class Worker:
                         self._save_input(job, layer, mb, h)
                     h = self._run_layer(job, params, layer, mb, h)
             job.outputs[j].set(self._send_next(job, h))
-        self._release(params)
+        self.residency.release(params)
         return False
 
-    def _backward_layers(self, job: TaskJob, params: _TaskParams, segments, grads: tuple,
+    def _backward_layers(self, job: TaskJob, params: TaskParams, segments, grads: tuple,
                          commits: dict[int, list[tuple[int, int]]] | None) -> tuple:
         """Back-propagate `grads` through `segments` ((layer, inputs, outputs), top layer first, each cut from the
         next at its inputs); with `commits` (the last micro-batch), start each bucket's gradient download as soon
@@ -382,10 +242,10 @@ class Worker:
             grads = _input_grads(inputs)
             if commits and layer in commits:
                 tickets = commits.pop(layer)
-                self._commit(job, params, tickets, last=not commits)
+                self.grad_commits.commit(job, params, tickets, last=not commits)
         return grads
 
-    def _forward_segments(self, job: TaskJob, params: _TaskParams, layers: range, mb: int,
+    def _forward_segments(self, job: TaskJob, params: TaskParams, layers: range, mb: int,
                           inputs: tuple) -> tuple[list[tuple[int, tuple, tuple]], tuple]:
         """Run `layers` with autograd, each layer's graph cut from the next at its inputs (so the backward can go
         one layer at a time). Returns the segments, top first, and the last outputs."""
@@ -400,7 +260,7 @@ class Worker:
     def _fused(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
         params = self._params(job, with_grad=True)
-        commits = self._commit_schedule(job)
+        commits = self.grad_commits.schedule(job)
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
             inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
@@ -419,16 +279,8 @@ class Worker:
                 else:
                     grads = _input_grads(inputs)
             job.outputs[j].set(self._send_next(job, grads))
-        self._release(params)
-        return self._finish_commits(job, params, commits)
-
-    def _finish_commits(self, job: TaskJob, params: _TaskParams, commits: dict) -> bool:
-        """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
-        if commits:
-            remaining = [t for layer in sorted(commits, reverse=True) for t in commits[layer]]
-            commits.clear()
-            self._commit(job, params, remaining, last=True)
-        return bool(job.grad_tickets)
+        self.residency.release(params)
+        return self.grad_commits.finish(job, params, commits)
 
     def _loss(self, state, outputs: tuple, mb: int) -> torch.Tensor:
         if state.loss_fn is None:
@@ -450,7 +302,7 @@ class Worker:
     def _backward_task(self, job: TaskJob) -> bool:
         task, state = job.task, job.state
         params = self._params(job, with_grad=True)
-        commits = self._commit_schedule(job)
+        commits = self.grad_commits.schedule(job)
         needs_input_grad = task.span.start > 0
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
@@ -466,10 +318,10 @@ class Worker:
                     segments, _ = self._forward_segments(job, params, task.span.layers, mb, inputs)
                 grads = self._backward_layers(job, params, segments, grads, last)
             job.outputs[j].set(self._send_next(job, grads if needs_input_grad else ()))
-        self._release(params)
-        return self._finish_commits(job, params, commits)
+        self.residency.release(params)
+        return self.grad_commits.finish(job, params, commits)
 
-    def _recompute_layer(self, job: TaskJob, params: _TaskParams, layer: int, mb: int,
+    def _recompute_layer(self, job: TaskJob, params: TaskParams, layer: int, mb: int,
                          needs_input_grad: bool) -> tuple[int, tuple, tuple]:
         saved = self.device.receive(job.state.saved.pop((layer, mb)))
         inputs = _as_leaves(saved, needs_input_grad or layer > job.task.span.start)

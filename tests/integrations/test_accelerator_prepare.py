@@ -25,7 +25,7 @@ def test_hf_model_comes_back_as_itself_with_batches_on_the_host():
     assert accelerator.device == torch.device("cpu")
     assert all(batch[0].device.type == "cpu" for batch in loader)
     engine = accelerator.roundpipe_engine(model)
-    assert engine.expected_grad_scale == 0.25  # backward divides by the 4 accumulation steps
+    assert engine._deferred.expected_scale == 0.25  # backward divides by the 4 accumulation steps
     assert accelerator.unwrap_model(model) is model
     assert all(p.device.type == "cpu" for p in model.parameters())
     engine.close()

@@ -156,7 +156,7 @@ def test_captured_layer_arguments_hold_no_activations(monkeypatch, cache_limit):
     assert_close(loss, ref_loss, "loss")
     for name, p in engine.named_parameters():
         assert_close(p.grad, ref_grads[name], f"grad of {name}")
-    caches = [c.module._captured for w in engine._background.workers for c in w.copies.values()
+    caches = [c.module._captured for w in engine._dispatch.workers for c in w.residency.copies.values()
               if isinstance(c.module, layers.DecoderLayer)]
     assert caches
     if cache_limit == 0:

@@ -1,0 +1,107 @@
+"""Dispatch: the device workers, where the round-robin stands, and one pass's tasks enqueued with their tickets.
+
+All tickets of [Note: per-layer events] are reserved here, on the caller's thread, in program order: this is what
+makes the results independent of thread timing.
+"""
+
+from __future__ import annotations
+
+from ..config import RoundPipeConfig
+from ..plan.partition import Partition
+from ..plan.schedule import Mode, Task, TaskKind, build_schedule
+from ..telemetry.trace import TraceRecorder
+from .device import Device, Payload
+from .host_store import HostStore
+from .jobs import PassState, TaskJob
+from .measured_plan import MeasuredPlan
+from .sync import FailureFlag, Future
+from .worker import Worker
+
+_KEEP_SCHEDULES = 4  # recent passes whose schedules the workers keep for their error reports
+
+
+class Dispatcher:
+    """Sends the tasks of each pass to the workers of their devices, starting each pass on the device after the one
+    that ended the previous pass."""
+
+    def __init__(self, config: RoundPipeConfig, devices: list[Device], store: HostStore, failure: FailureFlag,
+                 plan: MeasuredPlan, trace: TraceRecorder | None) -> None:
+        self.config, self.devices, self.store, self.failure = config, devices, store, failure
+        self.plan = plan  # decides which saved inputs may stay on the device ([Note: saved inputs])
+        self.trace = trace
+        self.workers: list[Worker] | None = None  # started on first use
+        self.next_device = 0
+        self._inflight: list[Future] = []  # `done` of every task not yet waited for
+        self._schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for the workers' error reports
+
+    def start_workers(self, seed: int) -> bool:
+        """Start the workers unless they run already; True when they were started now."""
+        if self.workers is not None:
+            return False
+        self.workers = [Worker(d, self.store, self.failure, self.config.resolved_recompute, seed, len(self.devices),
+                               self.trace) for d in self.devices]
+        for worker in self.workers:
+            worker.schedules = self._schedules
+            worker.start()
+        return True
+
+    def reseed(self, seed: int) -> None:
+        for worker in self.workers or []:
+            worker.base_seed = seed
+
+    def schedule(self, partition: Partition, num_mb: int, mode: Mode) -> list[Task]:
+        """The tasks of the next pass of `num_mb` micro-batches."""
+        per_round = self.config.microbatches_per_round or num_mb
+        return build_schedule(partition, num_mb, per_round, len(self.devices), self.next_device, mode)
+
+    def forget_finished(self) -> None:
+        self._inflight = [f for f in self._inflight if not f.done]
+
+    def wait_inflight(self) -> None:
+        for done in self._inflight:
+            done.get(self.failure)
+        self._inflight.clear()
+
+    def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
+        """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).
+        A forward-only pass (`model(...)`) does not know its backward schedule yet: with one device it is that one."""
+        if mode is Mode.TRAIN:
+            return {(t.round_index, layer): t.device_index for t in tasks if t.kind is not TaskKind.FORWARD
+                    for layer in t.span.layers}
+        if len(self.devices) == 1:
+            return {(t.round_index, layer): 0 for t in tasks for layer in t.span.layers}
+        return {}
+
+    def enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
+        self._schedules[state.index] = tasks
+        for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
+            del self._schedules[old]
+        store = self.store
+        reader = self._saved_input_readers(tasks, state.mode)
+        state.keep_limit_bytes = self.plan.keep_limit_bytes
+        previous: dict[int, list[Future]] = {}
+        jobs = []
+        for index, task in enumerate(tasks):
+            mbs = range(*task.microbatches)
+            inputs = previous.get(task.round_index)
+            if inputs is None:
+                inputs = [Future() for _ in mbs]
+                for future, mb in zip(inputs, mbs):
+                    future.set(Payload(first_inputs[mb]))
+            outputs = [Future(f"output of {task} micro-batch {mb}") for mb in mbs]
+            buckets = store.buckets_of_layers(task.span.layers)
+            reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
+            grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
+                     if task.needs_grad and store.buckets[b].trainable]
+            following = tasks[index + 1] if index + 1 < len(tasks) else None
+            next_worker = following.device_index if following and following.round_index == task.round_index else None
+            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker,
+                          keep_saved=frozenset(layer for layer in task.span.layers
+                                               if reader.get((task.round_index, layer)) == task.device_index))
+            previous[task.round_index] = outputs
+            jobs.append(job)
+            self._inflight.append(job.done)
+            self.workers[task.device_index].queue.put(job)
+        state.outputs = [f for r in sorted(previous) for f in previous[r]]
+        self.next_device = (tasks[-1].device_index + 1) % len(self.devices)
+        return jobs

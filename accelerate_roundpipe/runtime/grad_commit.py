@@ -1,0 +1,95 @@
+"""Gradient commits of one worker: download each bucket's gradients once the backward is done with it, and commit
+them on the host in the bucket's gradient turn, on a commit thread (so the device moves on to its next task at once).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..telemetry.trace import TraceRecorder, maybe_span
+from . import faults
+from .deferred import route_commit
+from .device import Device, Payload
+from .host_store import HostStore
+from .jobs import TaskJob
+from .residency import ParamResidency, TaskParams
+from .sync import FailureFlag, SerialExecutor
+
+
+class GradCommits:
+    def __init__(self, device: Device, store: HostStore, failure: FailureFlag, residency: ParamResidency,
+                 trace: TraceRecorder | None = None) -> None:
+        self.device = device
+        self.store = store
+        self.failure = failure
+        self.residency = residency
+        self.trace = trace
+        self.committer: SerialExecutor | None = None
+
+    def start(self) -> None:
+        self.committer = SerialExecutor(self.failure, f"roundpipe-commit-{self.device}")
+
+    def stop(self) -> None:
+        if self.committer is not None:
+            self.committer.stop()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [self.committer.thread] if self.committer is not None else []
+
+    def schedule(self, job: TaskJob) -> dict[int, list[tuple[int, int]]]:
+        """layer -> the grad tickets whose buckets are complete once the last micro-batch's backward has passed
+        that layer (the lowest layer of the span using the bucket), so each download overlaps the layers below."""
+        lowest_user: dict[int, int] = {}
+        for layer in job.task.span.layers:
+            for bucket_index in self.store.layer_buckets[layer]:
+                lowest_user.setdefault(bucket_index, layer)
+        by_layer: dict[int, list[tuple[int, int]]] = {}
+        for bucket_index, ticket in job.grad_tickets:
+            by_layer.setdefault(lowest_user[bucket_index], []).append((bucket_index, ticket))
+        return by_layer
+
+    def commit(self, job: TaskJob, params: TaskParams, tickets: list[tuple[int, int]], last: bool) -> None:
+        """Download the gradients of `tickets`' buckets and let the commit thread commit them on the host (so the
+        device moves on at once); the commit of the task's `last` group sets `job.done`."""
+        # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
+        outs = [self.store.grad_pool.take(self.store.buckets[b].optim) for b, _ in tickets]
+        payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
+        if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
+            self.residency.unbind()
+        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
+
+    def finish(self, job: TaskJob, params: TaskParams, commits: dict) -> bool:
+        """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
+        if commits:
+            remaining = [t for layer in sorted(commits, reverse=True) for t in commits[layer]]
+            commits.clear()
+            self.commit(job, params, remaining, last=True)
+        return bool(job.grad_tickets)
+
+    def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
+        try:
+            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
+                grads = payload.host()
+            with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
+                self._add_grads(job, tickets, grads)
+        finally:
+            if last:
+                job.done.set(True)
+
+    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: tuple) -> None:
+        """Commit downloaded gradients in their buckets' turn (a deferred pass's may be held apart instead), then
+        return the spare buffer to the pool."""
+        for (bucket_index, ticket), grad in zip(tickets, grads):
+            bucket = self.store.buckets[bucket_index]
+            spare = grad  # what goes back to the pool once this commit is done
+            bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
+            try:
+                faults.point("commit")
+                if job.state.deferred is not None:
+                    grad = route_commit(job.state.deferred, bucket, grad)
+                if grad is not None:
+                    spare = bucket.commit(grad)
+            finally:
+                bucket.grads.end(ticket)
+            self.store.grad_pool.give(spare)

@@ -1,0 +1,81 @@
+"""Micro-batch policy: how many micro-batches a pass runs, and its inputs split along dim 0 into them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..config import RoundPipeConfig
+from .measured_plan import MeasuredPlan
+
+logger = logging.getLogger(__name__)
+
+
+def tensor_tuple(values: Any, what: str) -> tuple[torch.Tensor, ...]:
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{what} must be tensors (split along dim 0 into micro-batches); got {type(v).__name__}.")
+    return tuple(values)
+
+
+def split_rows(tensors: tuple[torch.Tensor, ...], num_microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Split every tensor along dim 0 into `num_microbatches` slices (the first ones one row larger if uneven)."""
+    parts = [torch.tensor_split(t, num_microbatches, dim=0) for t in tensors]
+    return [tuple(p[i] for p in parts) for i in range(num_microbatches)]
+
+
+class MicrobatchPolicy:
+    """The micro-batch count of every pass of one engine.
+
+    [Note: short batches]
+    An explicit `num_microbatches` larger than a training batch is an error (silently running fewer
+    micro-batches than asked would hide a configuration mistake). Stock loops and the Trainer keep the last,
+    shorter batch of every epoch (`drop_last=False`), so an 8-micro-batch run would stop at the first epoch end
+    with a 5-row batch: for the models it prepares, the integration (`integrations/convert.py`) passes
+    `allow_short_batches=True`, and such a batch runs with as many micro-batches as it has rows, with one warning per
+    engine.
+    """
+
+    def __init__(self, config: RoundPipeConfig, num_devices: int, plan: MeasuredPlan,
+                 allow_short_batches: bool) -> None:
+        self.config = config
+        self.num_devices = num_devices
+        self.plan = plan
+        self.allow_short_batches = allow_short_batches
+        self._warned_short_batch = False
+
+    def split(self, inputs: tuple[torch.Tensor, ...], strict: bool = True) -> tuple[int, int, list[tuple]]:
+        """Split into micro-batches. `strict=False` (forward-only passes, e.g. evaluation or generation of a
+        small batch) lowers an explicit micro-batch count to the batch size instead of raising."""
+        if not inputs:
+            raise ValueError("RoundPipe needs at least one input tensor.")
+        rows = inputs[0].shape[0] if inputs[0].dim() else 0
+        for t in inputs:
+            if t.dim() == 0 or t.shape[0] != rows:
+                raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
+                                 f"{[tuple(x.shape) for x in inputs]}.")
+        requested = self.config.num_microbatches
+        if requested is not None and rows < requested and strict:
+            if not self.allow_short_batches:
+                raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
+                                 f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} "
+                                 f"or use a batch of at least {requested} rows.")
+            if not self._warned_short_batch:
+                logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
+                               "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
+                               rows, requested, rows)
+                self._warned_short_batch = True
+        if rows < 1:
+            raise ValueError("the batch is empty.")
+        num_mb = self.count_for(rows)
+        return rows, num_mb, split_rows(inputs, num_mb)
+
+    def count_for(self, rows: int) -> int:
+        """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
+        choice, else twice the device count; never more than the rows."""
+        requested = self.config.num_microbatches
+        chosen = self.plan.chosen_microbatches
+        return min(requested if requested is not None else chosen or 2 * self.num_devices, rows)
