@@ -38,7 +38,7 @@ def test_env_fills_unset_fields_and_arguments_win():
 def test_defaults_without_env():
     with mock.patch.dict(os.environ, {}, clear=True):
         config = RoundPipeConfig()
-        assert config.resolved_async_optimizer is True and config.resolved_recompute == "stage"
+        assert config.resolved_async_optimizer is False and config.resolved_recompute == "stage"
         if not torch.cuda.is_available():
             assert [str(d) for d in config.resolved_devices()] == ["cpu"]
 

@@ -82,6 +82,23 @@ class ParamResidency:
             self.store.buckets[bucket_index].reads.end_read(epoch)
         params.tickets = []
 
+    def release_landed(self, params: TaskParams) -> None:
+        """[Note: early read release]
+        Release the read tickets of the buckets whose copies have landed, without waiting for the others. A read
+        ticket only has to outlive the copy out of the host buffer, not the task: held to the task's end, it made
+        the next write-back of that bucket (and, behind it on the optimizer thread, every later step) wait for a
+        whole pass. With the exact (sync) optimizer that serialised the step of iteration k behind iteration k's
+        last task, so the next iteration found none of its weights ready."""
+        if not params.tickets:
+            return
+        landed = [(b, epoch) for b, epoch in params.tickets
+                  if params.events.get(b) is None or params.events[b].query()]
+        if not landed:
+            return
+        for bucket_index, epoch in landed:
+            self.store.buckets[bucket_index].reads.end_read(epoch)
+        params.tickets = [t for t in params.tickets if t not in landed]
+
     def take(self, job: TaskJob) -> TaskParams:
         """`job`'s parameters: the prefetched uploads, else uploads issued now (waiting for their versions)."""
         return self._prefetched.pop(id(job), None) or self._start_upload(job, wait=True)
@@ -111,6 +128,7 @@ class ParamResidency:
 
     def await_layer(self, params: TaskParams, layer_index: int) -> None:
         """Make the compute stream wait for the buckets of `layer_index` that are still being copied."""
+        self.release_landed(params)  # [Note: early read release]
         if not params.pending:
             return
         for bucket_index in self.store.layer_buckets[layer_index]:
