@@ -1,9 +1,12 @@
 """Gradient norms under RoundPipe: the exact norm for clipping, and a norm for logging that does not stall.
 
 Gradients live on the engine's optimizer copies, not on `model.parameters()` (the compute copies), and they are
-final only once the pass's backward finished. `clip_grad_norm_` therefore maps the parameters it is given to their
-optimizer copies and synchronizes the engine first: the norm is this step's, exact, and the in-place clip is seen
-by the next `optimizer.step()` (which is scheduled after it). The price is one pipeline drain per step.
+final only once the pass's backward finished. `clip_grad_norm_` over all of an engine's trainable parameters (what
+the Trainer and stock loops pass) hands the clip to the engine's optimizer: the norm is this step's, exact, returned
+as a tensor filled in when first read, and the step scales the gradients by the clip coefficient without a pipeline
+drain ([Note: clipping without a drain]). Any other call (a subset of the parameters, another norm type, several
+engines) maps the parameters to their optimizer copies, synchronizes and clips in place: exact too, at the price of
+one drain.
 
 [Note: late grad norm]
 `transformers.Trainer` (5.x) logs a gradient norm every step even without clipping. Synchronizing for that alone
@@ -56,7 +59,23 @@ def _final_gradient_holders(parameters: Iterable[torch.Tensor], engines: list[Ro
 def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], max_norm: float,
                    norm_type: float = 2.0) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the gradients RoundPipe really holds; returns the pre-clip norm."""
+    parameters = list(parameters)
+    optimizer = _whole_engine_optimizer(parameters, engines) if float(norm_type) == 2.0 else None
+    if optimizer is not None:
+        return optimizer.clip_grad_norm_(max_norm)
     return torch.nn.utils.clip_grad_norm_(_final_gradient_holders(parameters, engines), max_norm, norm_type=norm_type)
+
+
+def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundPipe]) -> LaggedOptimizer | None:
+    """The lagged optimizer of the one engine whose trainable parameters `parameters` covers, all of them and
+    nothing else that could hold a gradient; None when the clip must go the synchronous way."""
+    holders, involved = gradient_holders(parameters, engines)
+    if len(involved) != 1 or involved[0].optimizer is None:
+        return None
+    engine = involved[0]
+    trainable = {id(p) for _, p in engine.named_parameters() if p.requires_grad}
+    given = {id(h) for h in holders if h.requires_grad}
+    return engine.optimizer if given == trainable else None
 
 
 def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], clip_value: float) -> None:

@@ -70,17 +70,17 @@ class GradCommits:
     def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
         try:
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
-                grads = payload.host()
+                *grads, squares = payload.host()
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
-                self._add_grads(job, tickets, grads)
+                self._add_grads(job, tickets, grads, squares.tolist())
         finally:
             if last:
                 job.done.set(True)
 
-    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: tuple) -> None:
-        """Commit downloaded gradients in their buckets' turn (a deferred pass's may be held apart instead), then
-        return the spare buffer to the pool."""
-        for (bucket_index, ticket), grad in zip(tickets, grads):
+    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: list, squares: list[float]) -> None:
+        """Commit downloaded gradients (and their device-measured squared norms) in their buckets' turn (a deferred
+        pass's may be held apart instead), then return the spare buffer to the pool."""
+        for (bucket_index, ticket), grad, square in zip(tickets, grads, squares):
             bucket = self.store.buckets[bucket_index]
             spare = grad  # what goes back to the pool once this commit is done
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
@@ -89,7 +89,7 @@ class GradCommits:
                 if job.state.deferred is not None:
                     grad = route_commit(job.state.deferred, bucket, grad)
                 if grad is not None:
-                    spare = bucket.commit(grad)
+                    spare = bucket.commit(grad, square)
             finally:
                 bucket.grads.end(ticket)
             self.store.grad_pool.give(spare)

@@ -62,6 +62,7 @@ class Bucket:
     grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
+    grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
 
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"
@@ -73,29 +74,45 @@ class Bucket:
     # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
     # bucket's gradient turn (`grads`), on whichever host thread holds it.
 
-    def commit(self, grad: torch.Tensor) -> torch.Tensor:
-        """Commit downloaded gradients: add them to a buffer that holds gradients, or swap the download in as the
-        buffer of an empty one ([Note: gradient swap]). Returns the spare buffer nobody reads any more."""
+    def commit(self, grad: torch.Tensor, grad_sq: float | None = None) -> torch.Tensor:
+        """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device): add them to a buffer
+        that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]).
+        Returns the spare buffer nobody reads any more."""
         if self.grad_valid:
             self.grad.add_(grad)
+            # [Note: device norms] a sum's norm is not the sum of norms, unless what was held was exactly zero.
+            self.grad_sq = grad_sq if self.grad_sq == 0.0 else None
             return grad
         spare, self.grad = self.grad, grad
         self.grad_valid = True
+        self.grad_sq = grad_sq
         self._attach_grads()
         return spare
 
     def clear(self) -> None:
         """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites."""
         self.grad_valid = False
+        self.grad_sq = None
         self._detach_grads()
 
     def zero(self) -> None:
         """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
         if self.grad_valid:
             self.grad.zero_()
+            self.grad_sq = 0.0
 
     def scale(self, ratio: float) -> None:
         self.grad.mul_(ratio)
+        self.grad_sq = None if self.grad_sq is None else self.grad_sq * ratio * ratio
+
+    def squared_norm(self) -> float:
+        """The squared L2 norm of the held gradients: the device's measurement when there is one, else a host
+        pass over the buffer (0 without gradients)."""
+        if not self.grad_valid:
+            return 0.0
+        if self.grad_sq is None:
+            self.grad_sq = float(torch.linalg.vector_norm(self.grad)) ** 2
+        return self.grad_sq
 
     def add_pending(self, grad: torch.Tensor, first: bool) -> None:
         """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
@@ -109,6 +126,7 @@ class Bucket:
 
     def commit_pending(self, ratio: float) -> None:
         self.grad.add_(self.pending, alpha=ratio)
+        self.grad_sq = None
 
     def _attach_grads(self) -> None:
         assert self.grad is not None

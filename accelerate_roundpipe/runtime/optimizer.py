@@ -22,6 +22,7 @@ from ..telemetry.trace import maybe_span
 from . import faults
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
+from .step_norm import PendingGradNorm, StepNorm
 from .sync import FailureFlag, SerialExecutor
 
 _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
@@ -65,6 +66,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
+        self._clip: StepNorm | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
         prefer_fused(inner)
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
@@ -92,15 +94,45 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
         snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
-        for bucket in self._step_order:
+        clip, self._clip = self._clip, None
+        # With a clip the exact step cannot start before the whole backward (the global norm): then the bottom
+        # layers go first, in the order the next iteration's forward needs them ([Note: clipping without a drain]).
+        order = self._step_order[::-1] if clip is not None and not self.async_step else self._step_order
+        for bucket in order:
             ticket = bucket.grads.reserve()
-            self.thread.submit(self._step_job(bucket, ticket, member_groups))
+            self.thread.submit(self._step_job(bucket, ticket, member_groups, clip))
             if self.async_step:
                 self._held_writebacks.append(bucket)
             else:
                 self._submit_writeback(bucket)
 
-    def _step_job(self, bucket: Bucket, ticket: int, member_groups) -> Callable[[], None]:
+    def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
+        """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` would now; returns that norm as a tensor filled in when first read.
+        Nothing waits for the backward here ([Note: clipping without a drain])."""
+        self.failure.check()
+        self._drop_pending_passes()
+        if self._clip is not None:
+            raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
+        step_norm = StepNorm(len(self._step_order), max_norm)
+        for bucket in self._step_order:  # top layers first: the order their gradients become final
+            ticket = bucket.grads.reserve()
+            self.thread.submit(self._norm_job(bucket, ticket, step_norm))
+        self._clip = step_norm
+        return PendingGradNorm(step_norm, self.failure)
+
+    def _norm_job(self, bucket: Bucket, ticket: int, step_norm: StepNorm) -> Callable[[], None]:
+        def measure_bucket() -> None:
+            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
+            try:
+                with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
+                    step_norm.add(bucket.squared_norm())
+            finally:
+                bucket.grads.end(ticket)
+
+        return measure_bucket
+
+    def _step_job(self, bucket: Bucket, ticket: int, member_groups, clip: StepNorm | None) -> Callable[[], None]:
         ids = {id(s.optim) for s in bucket.slots}
 
         def step_bucket() -> None:
@@ -109,6 +141,10 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 faults.point("optimizer.step")
                 groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
                 groups = [g for g in groups if g["params"]]
+                if clip is not None and bucket.grad_valid:
+                    coefficient = clip.clip_coefficient(self.failure)
+                    if coefficient < 1.0:  # torch multiplies by the clamped coefficient; by 1 changes nothing
+                        bucket.scale(coefficient)
                 if groups and bucket.grad_valid:
                     original = self.inner.param_groups
                     self.inner.param_groups = groups
@@ -146,6 +182,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
         self._drop_pending_passes()
+        self._clip = None  # a clip measured gradients that are gone now
         for bucket in self._step_order:
             ticket = bucket.grads.reserve()
 

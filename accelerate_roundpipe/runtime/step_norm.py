@@ -1,0 +1,86 @@
+"""The global gradient norm of one optimizer step, known without draining the pipeline.
+
+[Note: clipping without a drain]
+`clip_grad_norm_` used to synchronize the engine, clip in place and return the norm: one pipeline drain per step,
+which halved the Trainer's throughput at its default `max_grad_norm=1.0`. Now it only reserves, per bucket, a
+gradient turn after the pass's commits: there the optimizer thread adds the bucket's squared norm (measured on the
+device, [Note: device norms]) to a `StepNorm`. The step that follows scales each bucket's gradients by the clip
+coefficient, computed exactly as `torch.nn.utils.clip_grad_norm_` does, before stepping it. The caller gets a
+`PendingGradNorm` at once: a 0-dim tensor whose value is filled in (waiting if need be) the first time anything
+reads it, so a Trainer that logs every `logging_steps` waits only on the steps that log, and only for the backward
+of that step. With the lagged step nothing waits for the norm at all; with the exact one no bucket can step before
+the whole backward is done, so the step goes bottom layers first (the order the next forward needs them).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .sync import FailureFlag, Future
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+class StepNorm:
+    """Sums the squared norms of one step's buckets (on the optimizer thread) into the global L2 norm."""
+
+    def __init__(self, num_buckets: int, max_norm: float) -> None:
+        self.max_norm = float(max_norm)
+        self.norm = Future("the gradient norm of this step")
+        self._left = num_buckets
+        self._squares = 0.0
+        self._lock = threading.Lock()
+        if num_buckets == 0:
+            self.norm.set(0.0)
+
+    def add(self, square: float) -> None:
+        with self._lock:
+            self._squares += square
+            self._left -= 1
+            if self._left == 0:
+                self.norm.set(self._squares ** 0.5)
+
+    def clip_coefficient(self, failure: FailureFlag) -> float:
+        """`max_norm / (norm + 1e-6)` clamped to 1, as torch's `clip_grad_norm_` multiplies the gradients by."""
+        return min(1.0, self.max_norm / (self.norm.get(failure) + CLIP_EPS))
+
+
+class PendingGradNorm(torch.Tensor):
+    """A 0-dim float32 tensor holding a step's gradient norm, resolved the first time it is used."""
+
+    @staticmethod
+    def __new__(cls, step_norm: StepNorm, failure: FailureFlag) -> PendingGradNorm:
+        tensor = torch.Tensor._make_subclass(cls, torch.zeros((), dtype=torch.float32))
+        tensor._pending = (step_norm, failure)
+        return tensor
+
+    def resolve(self) -> torch.Tensor:
+        """Fill in the norm (waiting for the backward if it is still running); returns a plain tensor of it."""
+        pending = self.__dict__.pop("_pending", None)
+        with torch._C.DisableTorchFunctionSubclass():
+            if pending is not None:
+                step_norm, failure = pending
+                self.fill_(step_norm.norm.get(failure))
+            return self.detach().clone()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in tree_leaves((args, kwargs)):
+            if isinstance(value, PendingGradNorm):
+                value.resolve()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.resolve()
+
+    def __reduce_ex__(self, protocol: Any):
+        return self.resolve().__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return repr(self.resolve())
