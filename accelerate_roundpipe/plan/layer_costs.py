@@ -73,4 +73,3 @@ class LayerCosts:
         if missing:
             raise ValueError(f"LayerCosts.from_dict: missing {missing}; forward_s and backward_s are required.")
         return cls(**{name: tuple(values) for name, values in data.items()})
-

@@ -39,6 +39,11 @@ from .schedule import TaskKind
 
 F, FB, B = TaskKind.FORWARD, TaskKind.FUSED, TaskKind.BACKWARD
 
+# The parts of a stage's memory, in the order `StageCostModel._memory_parts` gives them. The prefetch is the next
+# task's parameters arriving; the backward working set is a layer's backward (or a forward's temporaries) on top of
+# what the stage keeps.
+MEMORY_PARTS = ("parameters", "prefetch", "gradients", "activations", "backward working set", "in flight")
+
 
 @dataclass(frozen=True)
 class PlanSettings:
@@ -106,20 +111,24 @@ class StageCostModel:
         return max(self.compute(kind, start, stop), up / self._bw, down / self._bw)
 
     def memory_parts(self, kind: TaskKind, start: int, stop: int) -> dict[str, float]:
-        params = self._params[stop] - self._params[start]
-        whole_graph = kind is FB or (kind is B and not self._layer_grain)
-        return {
-            "parameters": params,
-            "prefetch": params,
-            "gradients": 0.0 if kind is F else self._grads[stop] - self._grads[start],
-            "activations": self._acts[stop] - self._acts[start] if whole_graph else max(self._act[start:stop]),
-            # A layer's backward (or a forward's temporaries) on top of what the stage keeps.
-            "backward working set": 0.0 if kind is F else max(self._work[start:stop]),
-            "in flight": 2 * self._boundary,
-        }
+        """The stage's memory by part (`MEMORY_PARTS`), for error messages."""
+        return dict(zip(MEMORY_PARTS, self._memory_parts(kind, start, stop)))
 
     def memory(self, kind: TaskKind, start: int, stop: int) -> float:
-        return sum(self.memory_parts(kind, start, stop).values())
+        return sum(self._memory_parts(kind, start, stop))
+
+    def _memory_parts(self, kind: TaskKind, start: int, stop: int) -> tuple[float, ...]:
+        # A tuple, not a dict: the planners' search calls memory() for every span it tries.
+        params = self._params[stop] - self._params[start]
+        whole_graph = kind is FB or (kind is B and not self._layer_grain)
+        return (
+            params,
+            params,
+            0.0 if kind is F else self._grads[stop] - self._grads[start],
+            self._acts[stop] - self._acts[start] if whole_graph else max(self._act[start:stop]),
+            0.0 if kind is F else max(self._work[start:stop]),
+            2 * self._boundary,
+        )
 
     def time_if_fits(self, kind: TaskKind, start: int, stop: int) -> float:
         """The stage's time, or infinity when it does not fit the memory budget: what the planners minimise."""
