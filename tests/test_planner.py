@@ -232,4 +232,3 @@ def test_layer_costs_json_round_trip_and_defaults():
         LayerCosts(forward_s=[1, 2], backward_s=[1, 2], act_bytes=[1])
     with pytest.raises(ValueError, match=">= 0"):
         LayerCosts(forward_s=[1, float("nan")], backward_s=[1, 2])
-
