@@ -14,7 +14,7 @@ from accelerate_roundpipe.plan.classic import (
     one_f_one_b,
     simulate_classic,
 )
-from accelerate_roundpipe.plan.decoder_shapes import MODEL_SHAPES, decoder_layer_costs
+from accelerate_roundpipe.plan.decoder_shapes import MODEL_SHAPES, decoder_layer_flops
 from accelerate_roundpipe.plan.simulate_cli import main
 
 # Embedding (free), 28 decoder layers, an LM head costing one decoder layer: the profile whose bubbles match the
@@ -35,7 +35,7 @@ def test_paper_case_numbers_and_ordering():
 def test_flop_costs_with_the_full_lm_head():
     """With FLOP costs the Qwen3-1.7B head is 5.3 decoder layers: one indivisible stage paces every schedule and
     hurts the virtual-stage ones most. Ours: async 10% < sync 36% < GPipe 41% < interleaved 55% < looped BFS 63%."""
-    costs = decoder_layer_costs(MODEL_SHAPES["qwen3-1.7b"], 4096)
+    costs = decoder_layer_flops(MODEL_SHAPES["qwen3-1.7b"], 4096)
     assert costs[-1] / costs[1] == pytest.approx(5.3, abs=0.05)
     r = compare_bubbles(8, 16, costs)
     assert r["roundpipe_async"] == pytest.approx(0.101, abs=0.003)

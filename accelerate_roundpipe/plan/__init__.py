@@ -14,9 +14,8 @@ Vocabulary (used the same way everywhere in the package):
 """
 
 from .partition import Partition, Span, plan_partition
-from .schedule import Mode, Task, TaskKind, build_schedule, format_schedule
+from .schedule import Mode, ScheduleError, Task, TaskKind, build_schedule, format_schedule, validate_schedule
 from .simulate import SimulationResult, simulate
-from .validate import ScheduleError, validate_schedule
 
 __all__ = [
     "Partition",

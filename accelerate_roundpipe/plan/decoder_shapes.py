@@ -1,7 +1,8 @@
 """Decoder-only LM shapes (published config numbers) and their per-layer forward FLOPs per token.
 
-Costs are relative: only their ratios matter to partitions and bubble ratios. A backward with recomputation costs
-3x the forward (recompute + 2x backward), see `partition.DEFAULT_BACKWARD_TO_FORWARD_COST`.
+The simulator uses these FLOPs as relative layer costs: only their ratios matter to partitions and bubble ratios. A
+backward with recomputation costs 3x the forward (recompute + 2x backward), see
+`partition.DEFAULT_BACKWARD_TO_FORWARD_COST`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ MODEL_SHAPES = {
 }
 
 
-def decoder_layer_costs(shape: DecoderShape, seq_len: int = 4096) -> list[float]:
+def decoder_layer_flops(shape: DecoderShape, seq_len: int = 4096) -> list[float]:
     """Forward FLOPs per token of each pipeline layer: embedding (a lookup, ~0), the decoder layers, and the final
     norm + LM head + loss. Attention scores count half (causal)."""
     h, q = shape.hidden_size, shape.num_attention_heads * shape.head_dim

@@ -1,15 +1,13 @@
 """Measured per-layer costs, the planner's input: times per micro-batch and bytes, plain data that round-trips JSON.
 
-The profiler fills one `LayerCosts` from the first iterations; `drifted` tells when later measurements have moved far
-enough from the ones a plan was made from that the plan should be made again.
+The profiler (`runtime/layer_profile.py`) fills one `LayerCosts` from the measured training pass; the stage cost model
+(`stage_cost_model.py`) sums it over spans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-
-_OPTIONAL = ("recompute_s", "param_bytes", "grad_bytes", "act_bytes", "input_bytes")
 
 
 @dataclass(frozen=True)
@@ -75,45 +73,3 @@ class LayerCosts:
         if missing:
             raise ValueError(f"LayerCosts.from_dict: missing {missing}; forward_s and backward_s are required.")
         return cls(**{name: tuple(values) for name, values in data.items()})
-
-
-def _stage_relevant_series(costs: LayerCosts) -> dict[str, tuple[float, ...]]:
-    """The per-layer quantities whose sums over a span make up a stage's time and memory in the planner."""
-    return {
-        "forward_s": costs.forward_s,
-        "recompute_s + backward_s": tuple(r + b for r, b in zip(costs.recompute_s, costs.backward_s)),
-        "param_bytes + grad_bytes": tuple(p + g for p, g in zip(costs.param_bytes, costs.grad_bytes)),
-        "act_bytes": costs.act_bytes,
-        "input_bytes": costs.input_bytes,
-    }
-
-
-def drift_reasons(old: LayerCosts, new: LayerCosts, tolerance: float = 0.15) -> list[str]:
-    """Why `new` is no longer close to `old` (empty when it is).
-
-    For each stage-relevant quantity, the model total may change by at most `tolerance` of the old total, and each
-    layer by at most `tolerance` of the larger of its old value and the old per-layer mean. Judging a layer against
-    the mean keeps measurement noise on near-free layers (an embedding lookup) from forcing a re-plan: a stage's
-    total can only move as much as its layers do, so no stage moves by much more than `tolerance` either.
-    """
-    if old.num_layers != new.num_layers:
-        return [f"layer count changed from {old.num_layers} to {new.num_layers}"]
-    reasons = []
-    new_series = _stage_relevant_series(new)
-    for name, before in _stage_relevant_series(old).items():
-        after = new_series[name]
-        old_total, new_total = sum(before), sum(after)
-        if abs(new_total - old_total) > tolerance * old_total:
-            reasons.append(f"total {name} {old_total:.4g} -> {new_total:.4g}")
-            continue
-        mean = old_total / len(before) if before else 0.0
-        for layer, (b, a) in enumerate(zip(before, after)):
-            if abs(a - b) > tolerance * max(b, mean):
-                reasons.append(f"layer {layer} {name} {b:.4g} -> {a:.4g}")
-                break
-    return reasons
-
-
-def drifted(old: LayerCosts, new: LayerCosts, tolerance: float = 0.15) -> bool:
-    """True when a plan made from `old` should be made again for `new` (see `drift_reasons`)."""
-    return bool(drift_reasons(old, new, tolerance))

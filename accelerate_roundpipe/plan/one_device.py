@@ -10,10 +10,13 @@ saved inputs), after forward stages as large as fit. Memory per stage is `StageC
 
 from __future__ import annotations
 
+import time
+
 from .layer_costs import LayerCosts
 from .partition import Partition, Span
-from .planner import PlanSettings, StageCostModel, check_every_layer_fits
+from .planned_partition import PlannedPartition
 from .schedule import TaskKind
+from .stage_cost_model import PlanSettings, StageCostModel, check_every_layer_fits
 
 
 def _pack_down(model: StageCostModel, kind: TaskKind, stop: int) -> list[Span]:
@@ -28,7 +31,10 @@ def _pack_down(model: StageCostModel, kind: TaskKind, stop: int) -> list[Span]:
     return spans[::-1]
 
 
-def plan_one_device(costs: LayerCosts, settings: PlanSettings) -> Partition:
+def plan_one_device(costs: LayerCosts, settings: PlanSettings) -> PlannedPartition:
+    """The largest fused stage that fits `settings.gpu_memory_bytes`, the layers below it in stages as large as fit.
+    Raises ValueError naming the layer that cannot fit alone."""
+    started = time.perf_counter()
     model = StageCostModel(costs, settings)
     check_every_layer_fits(model)
     top = costs.num_layers
@@ -37,4 +43,5 @@ def plan_one_device(costs: LayerCosts, settings: PlanSettings) -> Partition:
         fused_start -= 1
     backward = _pack_down(model, TaskKind.BACKWARD, fused_start) + [Span(fused_start, top)]
     forward = _pack_down(model, TaskKind.FORWARD, fused_start)
-    return Partition(num_layers=top, forward=tuple(forward), backward=tuple(backward))
+    partition = Partition(num_layers=top, forward=tuple(forward), backward=tuple(backward))
+    return PlannedPartition.predict(partition, model, time.perf_counter() - started)

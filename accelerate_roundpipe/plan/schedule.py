@@ -1,4 +1,4 @@
-"""The round-robin schedule as data: a list of `Task`s with a one-line string form.
+"""The round-robin schedule as data: a list of `Task`s with a one-line string form, built and checked together.
 
 Grammar of a task string: `{kind}{stage}:L{first}-{last}:r{round}:m{first}-{last}@d{device}`, e.g.
 `F0:L0-2:r0:m0-3@d0` (forward stage 0 over layers 0..2, round 0, micro-batches 0..3, on device 0).
@@ -22,6 +22,8 @@ from .partition import Partition, Span
 
 
 class TaskKind(str, Enum):
+    """What one task runs: the kind of its stage. A pass (see `Mode`) is a sequence of such tasks."""
+
     FORWARD = "F"  # forward without graph; keeps the inputs the backward recomputes from
     FUSED = "FB"  # forward with graph + loss + backward, the top stage of a training iteration
     BACKWARD = "B"  # recompute from the kept inputs + backward
@@ -31,6 +33,9 @@ class TaskKind(str, Enum):
 
 
 class Mode(str, Enum):
+    """What one pass runs (one engine call: `forward_backward`, `forward` or `backward`): which stage sequence
+    `build_schedule` lays out for every round. Each stage of it is a task of one `TaskKind`."""
+
     TRAIN = "train"  # fused forward+backward (forward_backward)
     FORWARD = "forward"  # forward stages over every layer
     BACKWARD = "backward"  # backward stages over every layer, top first
@@ -93,19 +98,22 @@ def build_schedule(
     start_device: int = 0,
     mode: Mode | str = Mode.TRAIN,
 ) -> list[Task]:
-    """Every task of one iteration in dispatch order. The next iteration starts at
+    """Every task of one iteration in dispatch order, checked by `validate_schedule`. The next iteration starts at
     `(start_device + len(tasks)) % num_devices`."""
     if num_devices < 1:
         raise ValueError("need at least one device")
     if num_microbatches < 1 or microbatches_per_round < 1:
         raise ValueError("need at least one micro-batch per iteration and per round")
-    stages = stage_sequence(partition, Mode(mode))
+    mode = Mode(mode)
+    stages = stage_sequence(partition, mode)
     tasks = []
     slot = start_device
     for round_index, mbs in enumerate(round_spans(num_microbatches, microbatches_per_round)):
         for kind, stage_index, span in stages:
             tasks.append(Task(kind, stage_index, span, round_index, mbs, slot % num_devices))
             slot += 1
+    # A few set operations per task (tens of microseconds for a pass): cheap next to the pass it describes.
+    validate_schedule(tasks, partition.num_layers, num_microbatches, num_devices, mode)
     return tasks
 
 
@@ -126,3 +134,62 @@ def format_schedule(tasks: Sequence[Task], num_devices: int, error_index: int | 
             row += "  <-- ERROR HERE"
         lines.append(row)
     return "\n".join(lines)
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def validate_schedule(tasks: Sequence[Task], num_layers: int, num_microbatches: int, num_devices: int,
+                      mode: Mode | str = Mode.TRAIN) -> None:
+    """Every micro-batch in exactly one round; per round, the forward of every layer exactly once and before its
+    backward (fused counts as both), the backward of every layer exactly once (training), devices round-robin."""
+    mode = Mode(mode)
+
+    def fail(index: int, message: str) -> None:
+        task = tasks[index]
+        raise ScheduleError(f"round {task.round_index}, device {task.device_index}: {message}\n"
+                            f"{format_schedule(tasks, num_devices, error_index=index)}")
+
+    covered: list[int] = []
+    rounds: dict[int, list[int]] = {}
+    for index, task in enumerate(tasks):
+        if index and task.device_index != (tasks[index - 1].device_index + 1) % num_devices:
+            fail(index, f"task {task} breaks the round-robin order")
+        rounds.setdefault(task.round_index, []).append(index)
+    forward_kinds, backward_kinds = (TaskKind.FORWARD, TaskKind.FUSED), (TaskKind.BACKWARD, TaskKind.FUSED)
+    for indices in rounds.values():
+        mbs = tasks[indices[0]].microbatches
+        covered.extend(range(*mbs))
+        # The layers done as ranges, not sets (this runs for every pass): the order checks keep each one contiguous,
+        # the forward's from layer 0 up, the backward's from the top down.
+        forward_done, backward_done = range(0), range(0)
+        for index in indices:
+            task = tasks[index]
+            if task.microbatches != mbs:
+                fail(index, f"task {task} runs other micro-batches than its round ({mbs.start}..{mbs.stop - 1})")
+            start, stop = task.span
+            if task.kind in forward_kinds:
+                repeated = range(start, min(stop, forward_done.stop))
+                if repeated:
+                    fail(index, f"task {task} repeats the forward of layers {list(repeated)}")
+                if start != len(forward_done):
+                    fail(index, f"task {task} runs before the forward of layers below {start}")
+                forward_done = range(max(forward_done.stop, stop))
+            if task.kind in backward_kinds:
+                if mode is not Mode.BACKWARD and start < stop and stop > forward_done.stop:
+                    fail(index, f"task {task} runs a backward before the forward of its layers")
+                repeated = range(max(start, backward_done.start), min(stop, backward_done.stop))
+                if repeated:
+                    fail(index, f"task {task} repeats the backward of layers {list(repeated)}")
+                if backward_done and stop != backward_done.start:
+                    fail(index, f"task {task} runs before the backward of layers above {stop - 1}")
+                if start < stop:
+                    backward_done = range(start, backward_done.stop if backward_done else stop)
+        if mode is not Mode.BACKWARD and forward_done != range(num_layers):
+            fail(indices[-1], f"round misses the forward of layers {list(range(len(forward_done), num_layers))}")
+        if mode is not Mode.FORWARD and backward_done != range(num_layers):
+            missing = [layer for layer in range(num_layers) if layer not in backward_done]
+            fail(indices[-1], f"round misses the backward of layers {missing}")
+    if sorted(covered) != list(range(num_microbatches)):
+        raise ScheduleError(f"micro-batches covered {sorted(covered)} != 0..{num_microbatches - 1}")

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 
 from .classic import compare_bubbles
-from .decoder_shapes import MODEL_SHAPES, decoder_layer_costs
+from .decoder_shapes import MODEL_SHAPES, decoder_layer_flops
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -30,13 +30,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
-def layer_costs(args: argparse.Namespace) -> list[float]:
+def relative_forward_costs(args: argparse.Namespace) -> list[float]:
+    """Each layer's forward cost in decoder-layer units, from a profile or a known architecture's FLOPs."""
     if args.profile:
         with open(args.profile) as f:
             data = json.load(f)
         costs = [float(c) for c in (data["forward"] if isinstance(data, dict) else data)]
     else:
-        costs = decoder_layer_costs(MODEL_SHAPES[args.model], args.seq)
+        costs = decoder_layer_flops(MODEL_SHAPES[args.model], args.seq)
     unit = costs[1] if len(costs) > 2 else max(costs)
     costs = [c / unit for c in costs]  # in decoder-layer units, for readable output
     if args.head_layers is not None:
@@ -45,7 +46,7 @@ def layer_costs(args: argparse.Namespace) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    result = compare_bubbles(args.devices, args.microbatches, layer_costs(args), chunks=args.chunks)
+    result = compare_bubbles(args.devices, args.microbatches, relative_forward_costs(args), chunks=args.chunks)
     if args.json:
         print(json.dumps({k: round(v, 4) for k, v in result.items()}))
     else:

@@ -15,13 +15,20 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 
 import torch
 
 from ..plan.layer_costs import LayerCosts
 from .host_store import HostStore
 
-FORWARD, FORWARD_WITH_GRAPH, BACKWARD = "forward", "forward_with_graph", "backward"
+
+class LayerRun(str, Enum):
+    """What one measurement times: one layer's run over one micro-batch, inside a task of any `TaskKind`."""
+
+    FORWARD = "forward"  # no graph (a forward stage): gives forward_s
+    FORWARD_WITH_GRAPH = "forward_with_graph"  # a recomputation or the fused stage's forward: gives recompute_s
+    BACKWARD = "backward"  # the layer's segment of a backward: gives backward_s
 
 
 class _Timer:
@@ -54,15 +61,15 @@ class LayerProfile:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._lock = threading.Lock()
-        self._timers: dict[tuple[str, int], list[_Timer]] = defaultdict(list)
+        self._timers: dict[tuple[LayerRun, int], list[_Timer]] = defaultdict(list)
         self._act_bytes: dict[int, int] = defaultdict(int)
         self._input_bytes: dict[int, int] = defaultdict(int)
         self._work_bytes: dict[int, int] = defaultdict(int)
 
     @contextmanager
-    def measure(self, kind: str, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
+    def measure(self, run: LayerRun, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
         stream = device.compute_stream if device.is_cuda else None
-        memory = device.is_cuda and kind != FORWARD
+        memory = device.is_cuda and run is not LayerRun.FORWARD
         if memory:
             # The allocator's peak counter, reset here, gives this layer's transient peak (only while profiling:
             # a user reading max_memory_allocated afterwards sees the peak since the measured pass).
@@ -75,29 +82,29 @@ class LayerProfile:
         if memory:
             after = torch.cuda.memory_allocated(device.device)
             peak = torch.cuda.max_memory_allocated(device.device) - before
-            grown = after - before if kind == FORWARD_WITH_GRAPH else 0
+            grown = after - before if run is LayerRun.FORWARD_WITH_GRAPH else 0
             work = max(0, peak - max(grown, 0))
         size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
         with self._lock:
-            self._timers[(kind, layer)].append(timer)
+            self._timers[(run, layer)].append(timer)
             self._act_bytes[layer] = max(self._act_bytes[layer], grown)
             self._work_bytes[layer] = max(self._work_bytes[layer], work)
             if inputs:
                 self._input_bytes[layer] = max(self._input_bytes[layer], size)
 
-    def _mean(self, kind: str, layer: int) -> float | None:
-        timers = self._timers.get((kind, layer))
+    def _mean(self, run: LayerRun, layer: int) -> float | None:
+        timers = self._timers.get((run, layer))
         return sum(t.elapsed_s() for t in timers) / len(timers) if timers else None
 
-    def costs(self, store: HostStore) -> LayerCosts:
+    def layer_costs(self, store: HostStore) -> LayerCosts:
         """Mean time per micro-batch of every layer (waits for the pass's events) and its bytes."""
         forward, recompute, backward = [], [], []
         for layer in range(self.num_layers):
-            with_graph = self._mean(FORWARD_WITH_GRAPH, layer)
-            without = self._mean(FORWARD, layer)
+            with_graph = self._mean(LayerRun.FORWARD_WITH_GRAPH, layer)
+            without = self._mean(LayerRun.FORWARD, layer)
             forward.append(without if without is not None else with_graph or 0.0)
             recompute.append(with_graph if with_graph is not None else forward[-1])
-            backward.append(self._mean(BACKWARD, layer) or 2 * forward[-1])
+            backward.append(self._mean(LayerRun.BACKWARD, layer) or 2 * forward[-1])
         params, grads = [], []
         for layer in range(self.num_layers):
             buckets = [store.buckets[b] for b in store.layer_buckets[layer]]

@@ -28,8 +28,9 @@ from ..config import RoundPipeConfig
 from ..plan.layer_costs import LayerCosts
 from ..plan.one_device import plan_one_device
 from ..plan.partition import Partition
-from ..plan.planner import PlanSettings, StageCostModel, plan_from_costs
-from ..plan.schedule import TaskKind
+from ..plan.planned_partition import PlannedPartition
+from ..plan.planner import plan_from_costs
+from ..plan.stage_cost_model import PlanSettings
 from .device import Device
 from .host_store import HostStore
 from .layer_profile import LayerProfile
@@ -83,12 +84,12 @@ class MeasuredPlan:
         self._measured = None
         for job in jobs:
             job.done.get(failure)
-        self.layer_costs = profile.costs(self.store)
+        self.layer_costs = profile.layer_costs(self.store)
         budget = self.budget_bytes
         if budget is None:  # CPU workers: no memory limit to plan against
             budget = float(sum(self.layer_costs.param_bytes) * 4 + sum(self.layer_costs.act_bytes) * num_mb + 1)
         try:
-            partition, settings, chosen = self._plan(self.layer_costs, budget, num_mb, rows)
+            planned, chosen = self._plan(self.layer_costs, budget, num_mb, rows)
         except ValueError as error:
             logger.warning("RoundPipe kept the partition %s: no plan from the measured costs fits (%s).", current,
                            error)
@@ -97,16 +98,12 @@ class MeasuredPlan:
             logger.info("RoundPipe runs %d micro-batches per batch from now on (measured plan; set num_microbatches "
                         "to choose).", chosen)
             self.chosen_microbatches = chosen
-        model = StageCostModel(self.layer_costs, settings)
-        peak = max([model.memory(TaskKind.FORWARD, *s) for s in partition.forward]
-                   + [model.memory(TaskKind.BACKWARD, *s) for s in partition.backward[:-1]]
-                   + [model.memory(TaskKind.FUSED, *partition.fused)])
         if self.budget_bytes is not None:  # GPUs: saved inputs only in what the plan leaves free
-            self.keep_limit_bytes = max(0, int(budget * PLAN_SHARE - peak))
-        logger.info("RoundPipe re-planned from measured costs: %s (was %s).", partition, current)
-        return partition
+            self.keep_limit_bytes = max(0, int(budget * PLAN_SHARE - planned.peak_stage_bytes))
+        logger.info("RoundPipe re-planned from measured costs: %s (was %s).", planned.partition, current)
+        return planned.partition
 
-    def _plan(self, costs: LayerCosts, budget: float, num_mb: int, rows: int) -> tuple[Partition, PlanSettings, int]:
+    def _plan(self, costs: LayerCosts, budget: float, num_mb: int, rows: int) -> tuple[PlannedPartition, int]:
         """The partition (and micro-batch count) for measured `costs` of `num_mb` micro-batches of a `rows`-row batch.
 
         One device without an explicit `num_microbatches`: the fewest micro-batches (larger ones keep the GPU busier
@@ -121,9 +118,7 @@ class MeasuredPlan:
                                 recompute=self.config.resolved_recompute)
 
         if len(self.devices) > 1:
-            settings = settings_for(num_mb)
-            planned = plan_from_costs(costs, **dataclasses.asdict(settings))
-            return planned.partition, settings, num_mb
+            return plan_from_costs(costs, settings_for(num_mb)), num_mb
         if self.config.num_microbatches is None:
             for count in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
                 scale = num_mb / count  # micro-batch rows relative to the measured pass
@@ -131,9 +126,9 @@ class MeasuredPlan:
                                              input_bytes=[b * scale for b in costs.input_bytes],
                                              work_bytes=[w * scale for w in costs.work_bytes])
                 try:
-                    partition = plan_one_device(scaled, settings_for(count))
+                    planned = plan_one_device(scaled, settings_for(count))
                 except ValueError:
                     continue
-                if partition.forward == ():
-                    return partition, settings_for(count), count
-        return plan_one_device(costs, settings_for(num_mb)), settings_for(num_mb), num_mb
+                if planned.partition.forward == ():
+                    return planned, count
+        return plan_one_device(costs, settings_for(num_mb)), num_mb

@@ -23,7 +23,7 @@ from .device import Device, Payload, stream_seed
 from .grad_commit import GradCommits
 from .host_store import HostStore
 from .jobs import TaskJob
-from .layer_profile import BACKWARD, FORWARD, FORWARD_WITH_GRAPH
+from .layer_profile import LayerRun
 from .residency import ParamResidency, TaskParams
 from .sync import FailureFlag, mark_engine_thread
 
@@ -161,7 +161,8 @@ class Worker:
         versions = copy.buffer_versions()
         profile = job.state.profile
         measure = _NO_PROFILE if profile is None else profile.measure(
-            FORWARD_WITH_GRAPH if torch.is_grad_enabled() else FORWARD, layer_index, self.device, args)
+            LayerRun.FORWARD_WITH_GRAPH if torch.is_grad_enabled() else LayerRun.FORWARD, layer_index, self.device,
+            args)
         with measure, self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
             out = copy.module(*args)
         copy.check_stateless(versions)
@@ -237,7 +238,7 @@ class Worker:
         as the backward has passed the bucket's lowest layer. Returns the gradients of the lowest inputs."""
         profile = job.state.profile
         for layer, inputs, outputs in segments:
-            with profile.measure(BACKWARD, layer, self.device) if profile is not None else _NO_PROFILE:
+            with profile.measure(LayerRun.BACKWARD, layer, self.device) if profile is not None else _NO_PROFILE:
                 _backward(outputs, grads)
             grads = _input_grads(inputs)
             if commits and layer in commits:
