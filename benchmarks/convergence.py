@@ -97,9 +97,11 @@ def initial_state(model_config, seed: int) -> tuple[dict, int]:
 
 def regime_settings(p: dict, regime: str) -> dict:
     prefix = "finetune_" if regime == "finetune" else ""
+    # The fine-tune draws its batches in another order than the scratch run did (the same for every system), so it
+    # does not replay the batches its starting weights were trained on first.
     return dict(steps=p[prefix + "steps"], lr=p[prefix + "lr"], warmup_steps=p[prefix + "warmup_steps"],
                 scheduler=p["scheduler"], weight_decay=p["weight_decay"], max_grad_norm=p["max_grad_norm"],
-                eval_every=p["eval_every"])
+                eval_every=p["eval_every"], data_seed_offset=1 if regime == "finetune" else 0)
 
 
 def run(args: argparse.Namespace, p: dict) -> list[dict]:

@@ -49,11 +49,13 @@ def plot(records: list[dict], directory: Path) -> list[str]:
                 color = f"C{index}"
                 steps = [s for s, _ in record["losses"]]
                 window = max(1, len(steps) // 25)
-                ax.plot(steps, _smoothed([v for _, v in record["losses"]], window), color=color, linewidth=1.2,
-                        label=f"{record['system']} train")
+                plain = record["system"] == PLAIN  # drawn wide and pale: an exact system lies on top of it
+                ax.plot(steps, _smoothed([v for _, v in record["losses"]], window), color=color,
+                        linewidth=4 if plain else 1.2, alpha=0.35 if plain else 1.0, label=f"{record['system']} train")
                 # the Trainer's evaluations during training, then the final one (every step in the weights)
                 evals = [*record["evals"], (steps[-1], record["final_eval_loss"])]
-                ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=3,
+                ax.plot(*zip(*evals), color=color, linestyle="--", marker="o", markersize=6 if plain else 3,
+                        linewidth=4 if plain else 1.2, alpha=0.35 if plain else 1.0,
                         label=f"{record['system']} held-out")
             ax.set_title(f"{preset}: {regime} (seed {seed})")
             ax.set_xlabel("step")

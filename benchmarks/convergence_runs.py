@@ -112,8 +112,9 @@ def training_arguments(system: System, regime: dict, sizes: dict, output_dir: st
                   lr_scheduler_type=regime["scheduler"], warmup_steps=regime["warmup_steps"],
                   weight_decay=regime["weight_decay"], max_grad_norm=regime["max_grad_norm"],
                   logging_steps=1, eval_strategy="steps", eval_steps=regime["eval_every"], save_strategy="no",
-                  report_to=[], disable_tqdm=True, seed=sizes["seed"], data_seed=sizes["seed"],
-                  bf16=sizes["bf16"], use_cpu=not cuda, dataloader_pin_memory=cuda)
+                  report_to=[], disable_tqdm=True, seed=sizes["seed"],
+                  data_seed=sizes["seed"] + regime["data_seed_offset"], bf16=sizes["bf16"], use_cpu=not cuda,
+                  dataloader_pin_memory=cuda)
     if system.roundpipe is None:
         return TrainingArguments(**common)
     roundpipe = {"devices": "cuda:0" if cuda else "cpu,cpu", "num_microbatches": sizes.get("num_microbatches"),
@@ -171,11 +172,12 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
 def _settings(trainer, engine, regime: dict, sizes: dict) -> dict:
     """What a reader needs to know about how this run stepped, clipped and logged."""
     args = trainer.args
-    out = {"optimizer_mode": "exact (in GPU memory)" if engine is None else
+    out = {"optimizer_mode": "exact (plain Trainer)" if engine is None else
            "async (lagged one step)" if engine.config.resolved_async_optimizer else "sync (exact)",
            "max_grad_norm": args.max_grad_norm, "logging_steps": args.logging_steps, "optim": str(args.optim),
            "lr": args.learning_rate, "scheduler": str(args.lr_scheduler_type), "warmup_steps": args.warmup_steps,
-           "weight_decay": args.weight_decay, "bf16": args.bf16, "device": str(args.device)}
+           "weight_decay": args.weight_decay, "bf16": args.bf16, "device": str(args.device),
+           "data_seed": args.data_seed}
     if engine is not None:
         out["roundpipe"] = {k.removeprefix("roundpipe_"): str(v) for k, v in vars(args).items()
                             if k.startswith("roundpipe_") and v is not None}
