@@ -11,7 +11,7 @@ the weights the plain Trainer reached after `finetune_base_steps` scratch steps 
 
     python benchmarks/convergence.py --preset cpu-small --plot --docs
     python benchmarks/convergence.py --preset gpu --plot --docs
-    python benchmarks/convergence.py --preset gpu --variant warmup50:async_warmup_steps=50   # any roundpipe_* field
+    python benchmarks/convergence.py --preset gpu --variant nm4:num_microbatches=4   # any roundpipe_* field
     python benchmarks/convergence.py --records benchmarks/results/convergence_gpu_*.jsonl --plot --docs  # no training
 
 Records (JSONL under --out, one per regime and system): per-step training loss and gradient norm, held-out loss
@@ -107,7 +107,10 @@ def regime_settings(p: dict, regime: str) -> dict:
 def run(args: argparse.Namespace, p: dict) -> list[dict]:
     """Train every regime x system; returns the records (also written as JSONL under --out)."""
     systems = [builtin_systems()[name] for name in filter(None, args.systems.split(","))]
-    systems += [parse_variant(text) for text in args.variant]  # parsed before any training: fail fast on a typo
+    try:  # parsed before any training: a typo stops the run at once, with the field names to choose from
+        systems += [parse_variant(text) for text in args.variant]
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     regimes = [r for r in args.regimes.split(",") if r]
     if set(regimes) - {"scratch", "finetune"}:
         raise SystemExit(f"--regimes {args.regimes!r}: choose from scratch, finetune")
