@@ -74,7 +74,10 @@ def plot(records: list[dict], directory: Path) -> list[str]:
 def _gap(loss: float, plain: float | None) -> str:
     if plain is None:
         return "n/a"
-    return f"{loss - plain:+.4f} ({(loss - plain) / plain:+.2%})"
+    gap = loss - plain
+    if abs(gap) < 1e-3:  # exact systems differ by float rounding: show its size rather than +0.0000
+        return f"{gap:+.1e} ({gap / plain:+.4%})"
+    return f"{gap:+.4f} ({gap / plain:+.2%})"
 
 
 def table(group: list[dict]) -> str:
