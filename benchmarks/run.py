@@ -42,7 +42,8 @@ def _version(distribution: str) -> str | None:
 
 
 def system_name(system: str, async_optimizer: bool, max_grad_norm: float) -> str:
-    """The way in, and what differs from its usual settings (async optimizer, no clipping)."""
+    """The way in, and how it stepped: the plain name is the lagged (async) step without clipping, as every record
+    before the exact step became the default was; `-sync-optimizer` is the exact step, `-clip<n>` clipping."""
     name = system if async_optimizer else f"{system}-sync-optimizer"
     return f"{name}-clip{max_grad_norm:g}" if max_grad_norm else name
 

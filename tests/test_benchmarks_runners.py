@@ -57,7 +57,8 @@ def test_three_paths_same_losses(monkeypatch):
     assert len(closed) == len(RUNNERS) and all(e is not None and e._failure.closed for e in closed)
 
 
-def test_command_line_record_reads_back(tmp_path):
+def test_command_line_record_reads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_ASYNC_OPTIMIZER", "true")  # the system name without a variant suffix
     out = tmp_path / "ours.jsonl"
     run.main(["--workload", "tiny-llama-full-s16-b4", "--system", "roundpipe-engine", "--nms", "2", "--warm", "1",
               "--iters", "1", "--devices", "cpu", "--out", str(out)])
@@ -78,6 +79,7 @@ def _one_record(tmp_path, *flags: str) -> dict:
 
 
 def test_records_state_optimizer_clipping_and_logging(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_ASYNC_OPTIMIZER", "true")
     engine = _one_record(tmp_path / "engine", "--system", "roundpipe-engine")
     assert engine["system"] == "roundpipe-engine"
     assert {k: engine["settings"][k] for k in ("optimizer_step", "max_grad_norm", "logging_steps")} == {

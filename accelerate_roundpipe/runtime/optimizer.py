@@ -119,7 +119,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
             ticket = bucket.grads.reserve()
             self.thread.submit(self._norm_job(bucket, ticket, step_norm))
         self._clip = step_norm
-        return PendingGradNorm(step_norm, self.failure)
+        dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
+        return PendingGradNorm(step_norm, self.failure, dtype)
 
     def _norm_job(self, bucket: Bucket, ticket: int, step_norm: StepNorm) -> Callable[[], None]:
         def measure_bucket() -> None:

@@ -50,11 +50,12 @@ class StepNorm:
 
 
 class PendingGradNorm(torch.Tensor):
-    """A 0-dim float32 tensor holding a step's gradient norm, resolved the first time it is used."""
+    """A 0-dim tensor (in the gradients' dtype, as torch's clip returns) holding a step's gradient norm, resolved the
+    first time it is used."""
 
     @staticmethod
-    def __new__(cls, step_norm: StepNorm, failure: FailureFlag) -> PendingGradNorm:
-        tensor = torch.Tensor._make_subclass(cls, torch.zeros((), dtype=torch.float32))
+    def __new__(cls, step_norm: StepNorm, failure: FailureFlag, dtype: torch.dtype) -> PendingGradNorm:
+        tensor = torch.Tensor._make_subclass(cls, torch.zeros((), dtype=dtype))
         tensor._pending = (step_norm, failure)
         return tensor
 

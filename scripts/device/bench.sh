@@ -73,14 +73,16 @@ run_ours() {
   case $1 in
   gpu-tests)
     step 240 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests integration_tests ;;
-  qwen3-1.7b)  # the three ways in at their usual settings, then the variants every record names
+  qwen3-1.7b)  # each way in with the exact step (the default) and the lagged one; the Trainer at its defaults
     w=qwen3-1.7b-full-s4096-b8
     ours 75 $w roundpipe-engine --warm 2 --iters 8
-    ROUNDPIPE_ASYNC_OPTIMIZER=false ours 75 $w roundpipe-engine --warm 2 --iters 8
+    ROUNDPIPE_ASYNC_OPTIMIZER=true ours 75 $w roundpipe-engine --warm 2 --iters 8
     ours 75 $w roundpipe-accelerate-loop --warm 2 --iters 8
-    ROUNDPIPE_ASYNC_OPTIMIZER=false ours 75 $w roundpipe-accelerate-loop --warm 2 --iters 8
+    ROUNDPIPE_ASYNC_OPTIMIZER=true ours 75 $w roundpipe-accelerate-loop --warm 2 --iters 8
+    ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10  # its defaults
     ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 0 --logging-steps 10
-    ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 ;;  # its defaults
+    ROUNDPIPE_ASYNC_OPTIMIZER=true ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 \
+      --logging-steps 10 ;;
   cap24)
     ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 6 ;;
   lora-8b)
