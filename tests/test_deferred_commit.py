@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime import faults
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
@@ -103,4 +105,32 @@ def test_step_drops_an_uncommitted_pass_and_double_backward_fails():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+    engine.close()
+
+
+def test_resolution_lets_top_layers_step_before_the_bottom_gradients_land():
+    """Resolution jobs run in gradient-final order (top first) on their serial thread: the exact step of a top bucket
+    then runs while the bottom bucket's commit is still delayed. Queued bottom-first, the first job waited for the
+    backward's very end and held every step behind it."""
+    model = tied_model()
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"], num_microbatches=1,
+                                                             async_optimizer=False))
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    events, commits = [], []
+    last_commit = len(engine._store.trainable_buckets)
+
+    def hook(point: str) -> None:
+        if point == "commit":
+            commits.append(point)
+            if len(commits) == last_commit:  # the bottom bucket's gradients: the backward's last commit
+                time.sleep(0.3)
+                events.append("bottom committed")
+        elif point == "optimizer.step":
+            events.append("step")
+
+    with faults.injected(hook):
+        fb(engine, batch(rows=4)).backward()
+        optimizer.step()
+        engine.synchronize()
+    assert "step" in events[:events.index("bottom committed")]
     engine.close()

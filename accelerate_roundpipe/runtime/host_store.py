@@ -237,3 +237,10 @@ class HostStore:
     @property
     def trainable_buckets(self) -> list[Bucket]:
         return [b for b in self.buckets if b.trainable]
+
+    @property
+    def trainable_in_backward_order(self) -> list[Bucket]:
+        """Top layers first: the order a backward makes the buckets' gradients final. Host work that takes
+        gradient turns must be queued in this order on its (serial) thread: a job for a bottom bucket queued first
+        would hold every later job until the backward's very end."""
+        return sorted(self.trainable_buckets, key=lambda b: -min(b.layers))

@@ -70,8 +70,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._check_params()
         prefer_fused(inner)
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
-        # Top layers first: the order in which gradients become final during a backward.
-        self._step_order = sorted(store.trainable_buckets, key=lambda b: -min(b.layers))
+        self._step_order = store.trainable_in_backward_order
 
     def _check_params(self) -> None:
         known = {id(s.optim): s for b in self.store.trainable_buckets for s in b.slots}
