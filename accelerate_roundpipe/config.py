@@ -87,6 +87,9 @@ class RoundPipeConfig:
         async_optimizer (`bool`, env `ROUNDPIPE_ASYNC_OPTIMIZER`): step the optimizer one iteration late, in the
             background (staleness 1). Default: false, the exact step: from scratch the lagged step trains a
             measurably worse model (docs/convergence.md); in fine-tuning it costs nothing measurable.
+        async_warmup_steps (`int`, env `ROUNDPIPE_ASYNC_WARMUP_STEPS`): with `async_optimizer`, the first this many
+            steps are exact, the lagged ones follow (the delayed update of ZeRO-Offload starts after a warm-up
+            too). Default: 0. Its measured effect is in docs/convergence.md.
         param_dtype (`torch.dtype`, env `ROUNDPIPE_PARAM_DTYPE`): dtype of the compute copies. Default: the
             module's own dtypes.
         optimizer_dtype (`torch.dtype`, env `ROUNDPIPE_OPTIMIZER_DTYPE`): dtype of the optimizer copies and host
@@ -135,6 +138,8 @@ class RoundPipeConfig:
         "help": "Micro-batches each dispatched task runs. Default: all of the call's micro-batches (one round)."})
     async_optimizer: bool | None = field(default=None, metadata={
         "help": "Step the optimizer one iteration late in the background (staleness 1). Default: false (exact)."})
+    async_warmup_steps: int | None = field(default=None, metadata={
+        "help": "With async_optimizer: take this many exact steps before lagging (a warm-up). Default: 0."})
     param_dtype: torch.dtype | str | None = field(default=None, metadata={
         "help": "dtype of the compute copies (e.g. bfloat16). Default: the module's own dtypes."})
     optimizer_dtype: torch.dtype | str | None = field(default=None, metadata={
@@ -190,6 +195,11 @@ class RoundPipeConfig:
                 if value < 1:
                     raise ValueError(f"{name} (env {env}{name.upper()}) must be >= 1, got {value}.")
                 setattr(self, name, value)
+        if self.async_warmup_steps is not None:
+            self.async_warmup_steps = int(self.async_warmup_steps)
+            if self.async_warmup_steps < 0:
+                raise ValueError(f"async_warmup_steps (env {env}ASYNC_WARMUP_STEPS) must be >= 0, got "
+                                 f"{self.async_warmup_steps}.")
         for name in ("async_optimizer", "pin_memory"):
             value = getattr(self, name)
             if isinstance(value, str):

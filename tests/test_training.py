@@ -17,14 +17,15 @@ NUM_STEPS = 6
 LRS = [1e-2, 2e-2, 5e-3, 1e-2, 3e-2, 1e-2]  # changed between steps: the step uses the value at step() time
 
 
-def reference_training(model, batches, async_optimizer: bool, num_mb: int, dropout: bool):
-    """Plain PyTorch AdamW where iteration k's gradients use the weights after steps 0..k-2 (async) or 0..k-1."""
+def reference_training(model, batches, async_optimizer: bool, num_mb: int, dropout: bool, exact_first: int = 0):
+    """Plain PyTorch AdamW where iteration k's gradients use the weights after steps 0..k-2 (async) or 0..k-1 (sync,
+    and async while step k-1 was one of the `exact_first` warm-up steps)."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LRS[0], weight_decay=0.1)
     snapshots = [copy.deepcopy(model.state_dict())]  # snapshots[j]: weights after j steps
     losses = []
     for k, (x, mask, y) in enumerate(batches):
-        version = max(0, k - 1) if async_optimizer else k
+        version = max(0, k - 1) if async_optimizer and k > exact_first else k
         probe = copy.deepcopy(model)
         probe.load_state_dict(snapshots[version])
         loss, grads = reference_loss_and_grads(probe, x, mask, y, num_microbatches=num_mb if dropout else None,
@@ -182,4 +183,28 @@ def test_load_optimizer_copies_keeps_full_precision():
         assert torch.equal(dict(engine.module.named_parameters())[name], exact[name].bfloat16())
     x, mask, y = batch(rows=4)
     engine.forward_backward(x.bfloat16(), mask, labels=y, loss_fn=nn.functional.cross_entropy)  # no false alarm
+    engine.close()
+
+
+def test_async_warmup_takes_exact_steps_first():
+    """`async_warmup_steps=2`: iterations 1 and 2 see the step before them, later ones lag by one; the warm-up's
+    position is part of the engine state, so a resumed run stays on the same schedule."""
+    model = tied_model()
+    batches = [batch(rows=8, seed=30 + k) for k in range(NUM_STEPS)]
+    ref_model, ref_losses = reference_training(model, batches, True, 2, False, exact_first=2)
+    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2,
+                                                             async_optimizer=True, async_warmup_steps=2))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LRS[0], weight_decay=0.1))
+    for k, (x, mask, y) in enumerate(batches):
+        loss = engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        assert_close(loss, ref_losses[k], RTOL, f"loss of iteration {k}")
+        for group in optimizer.param_groups:
+            group["lr"] = LRS[k]
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    assert engine.engine_state()["optimizer_steps"] == NUM_STEPS
+    reference = dict(ref_model.named_parameters())
+    for name, p in engine.named_parameters():
+        assert_close(p.detach(), reference[name].detach(), RTOL, f"optimizer copy {name}")
     engine.close()

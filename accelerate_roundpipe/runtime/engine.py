@@ -147,7 +147,8 @@ class RoundPipe(nn.Module):
             self.optimizer.close()
         self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
                                                      self.config.resolved_async_optimizer,
-                                                     deferred_passes=self._deferred, trace=self.trace)
+                                                     deferred_passes=self._deferred, trace=self.trace,
+                                                     exact_steps_first=self.config.async_warmup_steps or 0)
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
@@ -290,7 +291,10 @@ class RoundPipe(nn.Module):
     def engine_state(self) -> dict[str, int]:
         """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
         count of the per-layer RNG streams (dropout masks) and where the round-robin dispatch stands."""
-        return {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device}
+        state = {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device}
+        if self.optimizer is not None:
+            state["optimizer_steps"] = self.optimizer.steps_taken  # where an async warm-up stands
+        return state
 
     def load_engine_state(self, state: dict[str, int]) -> None:
         self.synchronize()
@@ -298,6 +302,8 @@ class RoundPipe(nn.Module):
         self._num_passes = int(state["num_passes"])
         self._dispatch.next_device = int(state["next_device"]) % len(self.devices)
         self._dispatch.reseed(self._seed)
+        if self.optimizer is not None and "optimizer_steps" in state:
+            self.optimizer.steps_taken = int(state["optimizer_steps"])
 
     def load_optimizer_copies(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load full-precision weights (named as in `named_parameters()`) into the optimizer copies, and the

@@ -47,7 +47,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
-                 async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None) -> None:
+                 async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None,
+                 exact_steps_first: int = 0) -> None:
         # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -63,6 +64,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.store = store
         self.failure = failure
         self.async_step = async_step
+        self.exact_steps_first = exact_steps_first  # an async warm-up: the first steps are exact
+        self.steps_taken = 0
         self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
@@ -94,13 +97,15 @@ class LaggedOptimizer(torch.optim.Optimizer):
         snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
         clip, self._clip = self._clip, None
+        lagged = self.async_step and self.steps_taken >= self.exact_steps_first
+        self.steps_taken += 1
         # With a clip the exact step cannot start before the whole backward (the global norm): then the bottom
         # layers go first, in the order the next iteration's forward needs them ([Note: clipping without a drain]).
-        order = self._step_order[::-1] if clip is not None and not self.async_step else self._step_order
+        order = self._step_order[::-1] if clip is not None and not lagged else self._step_order
         for bucket in order:
             ticket = bucket.grads.reserve()
             self.thread.submit(self._step_job(bucket, ticket, member_groups, clip))
-            if self.async_step:
+            if lagged:
                 self._held_writebacks.append(bucket)
             else:
                 self._submit_writeback(bucket)
