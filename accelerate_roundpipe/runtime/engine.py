@@ -42,7 +42,16 @@ class _Background:
 
     dispatch: Dispatcher  # the device workers, started on first use
     deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
+    failure: FailureFlag | None = None
     optimizer: LaggedOptimizer | None = None
+
+    def abandon(self) -> None:
+        """The engine was dropped without `close()`: cancel what is still pending instead of finishing it (a step
+        may wait for gradients of a pass nobody will commit), then stop the threads. Closing the failure flag makes
+        every wait in those threads abort within a poll interval, so the joins below return promptly."""
+        if self.failure is not None:
+            self.failure.close()
+        self.stop()
 
     def stop(self, join_timeout_s: float = 10.0) -> None:
         """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts)."""
@@ -108,7 +117,8 @@ class RoundPipe(nn.Module):
         self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
-        self._background = _Background(self._dispatch, self._deferred)  # the threads, started on first use
+        self._background = _Background(self._dispatch, self._deferred, self._failure)
+        self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
@@ -276,7 +286,10 @@ class RoundPipe(nn.Module):
                     self.synchronize()
             finally:
                 self._failure.close()
-                self._background.stop()
+                if self._finalizer is not None:
+                    self._finalizer()  # stops the threads once and leaves the finalizer registry: nothing keeps us
+                else:
+                    self._background.stop()
                 self._store.memory.release()
                 if self.trace is not None:
                     self.trace.save()
@@ -347,7 +360,7 @@ class RoundPipe(nn.Module):
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
                         "optimizer also writes the compute copies the devices use.")
         if self._dispatch.start_workers(self._seed):
-            weakref.finalize(self, self._background.stop)
+            self._finalizer = weakref.finalize(self, self._background.abandon)
         self._dispatch.forget_finished()
 
     def _release_writebacks(self) -> None:

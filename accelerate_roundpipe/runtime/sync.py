@@ -40,6 +40,10 @@ def mark_engine_thread() -> None:
     _engine_thread.active = True
 
 
+class ReportedError(RuntimeError):
+    """What a `FailureFlag` keeps of an error once the caller has seen it: its type and message."""
+
+
 class Aborted(Exception):
     """Raised inside engine threads when another thread already failed; never reaches the user."""
 
@@ -73,9 +77,15 @@ class FailureFlag:
         if self.error is not None:
             with self._lock:
                 first, self._reported = not self._reported, True
+                error = self.error
+                if first:
+                    # Keep only its text from now on: raised here, the error's traceback gains the caller's frames
+                    # (which hold the engine), and the flag is reachable from the engine's threads and finalizer,
+                    # so holding the error would keep a failed engine, its host store included, alive for good.
+                    self.error = ReportedError(f"{type(error).__name__}: {error}")
             if first:
-                self.error.add_note(f"[RoundPipe] raised in {self.where}; the engine is now closed.")
-                raise self.error
+                error.add_note(f"[RoundPipe] raised in {self.where}; the engine is now closed.")
+                raise error
             raise EngineClosedError(
                 f"the RoundPipe engine stopped after an error in {self.where}: {type(self.error).__name__}: "
                 f"{self.error}. Build a new engine to continue.") from self.error
@@ -240,7 +250,7 @@ class SerialExecutor:
             if job is None:
                 return
             try:
-                if self.failure.error is None:
+                if self.failure.error is None and not self.failure.closed:  # abandoned: cancel
                     job()
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 self.failure.fail(error, f"{self.thread.name} ({getattr(job, '__name__', 'job')})")

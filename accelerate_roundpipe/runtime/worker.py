@@ -25,7 +25,7 @@ from .host_store import HostStore
 from .jobs import TaskJob
 from .layer_profile import LayerRun
 from .residency import ParamResidency, TaskParams
-from .sync import FailureFlag, mark_engine_thread
+from .sync import Aborted, FailureFlag, mark_engine_thread
 
 logger = logging.getLogger(__name__)
 _NO_PROFILE = contextlib.nullcontext()
@@ -129,13 +129,13 @@ class Worker:
                 return
             committing = False
             try:
-                if self.failure.error is None:
+                if self.failure.error is None and not self.failure.closed:
                     committing = self._run(job)
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     error = _explain_oom(error, job)
                 where = f"worker {self.device} running task {job.task} of pass {job.state.index}"
-                if self.failure.error is None:
+                if self.failure.error is None and not isinstance(error, Aborted):  # Aborted: cancelled, not failed
                     logger.error("[%s] %s failed:\n%s", self.device, job.task,
                                  format_schedule(self.schedules.get(job.state.index, []), self.num_devices,
                                                  job.schedule_index))
