@@ -188,18 +188,14 @@ class RoundPipeConfig:
             self.devices = [str(torch.device(d)) if str(d) != "cpu" else "cpu" for d in self.devices]
             if not self.devices:
                 raise ValueError(f"devices (env {env}DEVICES) is empty; name at least one, e.g. 'cuda:0' or 'cpu'.")
-        for name in ("num_microbatches", "microbatches_per_round", "mlp_chunk_tokens"):
+        for name, least in (("num_microbatches", 1), ("microbatches_per_round", 1), ("mlp_chunk_tokens", 1),
+                            ("async_warmup_steps", 0)):
             value = getattr(self, name)
             if value is not None:
                 value = int(value)
-                if value < 1:
-                    raise ValueError(f"{name} (env {env}{name.upper()}) must be >= 1, got {value}.")
+                if value < least:
+                    raise ValueError(f"{name} (env {env}{name.upper()}) must be >= {least}, got {value}.")
                 setattr(self, name, value)
-        if self.async_warmup_steps is not None:
-            self.async_warmup_steps = int(self.async_warmup_steps)
-            if self.async_warmup_steps < 0:
-                raise ValueError(f"async_warmup_steps (env {env}ASYNC_WARMUP_STEPS) must be >= 0, got "
-                                 f"{self.async_warmup_steps}.")
         for name in ("async_optimizer", "pin_memory"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -42,15 +42,14 @@ class _Background:
 
     dispatch: Dispatcher  # the device workers, started on first use
     deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
-    failure: FailureFlag | None = None
+    failure: FailureFlag  # closed to cancel pending work when the engine is dropped without close()
     optimizer: LaggedOptimizer | None = None
 
     def abandon(self) -> None:
         """The engine was dropped without `close()`: cancel what is still pending instead of finishing it (a step
         may wait for gradients of a pass nobody will commit), then stop the threads. Closing the failure flag makes
         every wait in those threads abort within a poll interval, so the joins below return promptly."""
-        if self.failure is not None:
-            self.failure.close()
+        self.failure.close()
         self.stop()
 
     def stop(self, join_timeout_s: float = 10.0) -> None:

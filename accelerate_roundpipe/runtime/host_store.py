@@ -13,6 +13,7 @@ Frozen (requires_grad=False) parameters get a compute copy only: no optimizer st
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -238,9 +239,9 @@ class HostStore:
     def trainable_buckets(self) -> list[Bucket]:
         return [b for b in self.buckets if b.trainable]
 
-    @property
+    @functools.cached_property
     def trainable_in_backward_order(self) -> list[Bucket]:
         """Top layers first: the order a backward makes the buckets' gradients final. Host work that takes
         gradient turns must be queued in this order on its (serial) thread: a job for a bottom bucket queued first
-        would hold every later job until the backward's very end."""
+        would hold every later job until the backward's very end. (The buckets never change: computed once.)"""
         return sorted(self.trainable_buckets, key=lambda b: -min(b.layers))

@@ -78,9 +78,7 @@ class ParamResidency:
         last = next((e for e in reversed(list(params.events.values())) if e is not None), None)
         if last is not None:
             last.synchronize()
-        for bucket_index, epoch in params.tickets:
-            self.store.buckets[bucket_index].reads.end_read(epoch)
-        params.tickets = []
+        self._end_reads(params, len(params.tickets))
 
     def release_landed(self, params: TaskParams) -> None:
         """[Note: early read release]
@@ -88,16 +86,21 @@ class ParamResidency:
         ticket only has to outlive the copy out of the host buffer, not the task: held to the task's end, it made
         the next write-back of that bucket (and, behind it on the optimizer thread, every later step) wait for a
         whole pass. With the exact (sync) optimizer that serialised the step of iteration k behind iteration k's
-        last task, so the next iteration found none of its weights ready."""
-        if not params.tickets:
-            return
-        landed = [(b, epoch) for b, epoch in params.tickets
-                  if params.events.get(b) is None or params.events[b].query()]
-        if not landed:
-            return
-        for bucket_index, epoch in landed:
+        last task, so the next iteration found none of its weights ready. The copies run in ticket order on one
+        stream, so the landed ones are a prefix: the first copy still in flight ends the scan."""
+        landed = 0
+        for bucket_index, _ in params.tickets:
+            event = params.events.get(bucket_index)
+            if event is not None and not event.query():
+                break
+            landed += 1
+        self._end_reads(params, landed)
+
+    def _end_reads(self, params: TaskParams, count: int) -> None:
+        """End the first `count` read tickets of `params`."""
+        for bucket_index, epoch in params.tickets[:count]:
             self.store.buckets[bucket_index].reads.end_read(epoch)
-        params.tickets = [t for t in params.tickets if t not in landed]
+        params.tickets = params.tickets[count:]
 
     def take(self, job: TaskJob) -> TaskParams:
         """`job`'s parameters: the prefetched uploads, else uploads issued now (waiting for their versions)."""

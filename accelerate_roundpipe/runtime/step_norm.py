@@ -14,7 +14,6 @@ the whole backward is done, so the step goes bottom layers first (the order the 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -26,23 +25,22 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 
 class StepNorm:
-    """Sums the squared norms of one step's buckets (on the optimizer thread) into the global L2 norm."""
+    """Sums the squared norms of one step's buckets into the global L2 norm. Every `add` runs on the optimizer's one
+    thread, in its FIFO order, so the sum needs no lock; `norm` hands the result to other threads."""
 
     def __init__(self, num_buckets: int, max_norm: float) -> None:
         self.max_norm = float(max_norm)
         self.norm = Future("the gradient norm of this step")
         self._left = num_buckets
         self._squares = 0.0
-        self._lock = threading.Lock()
         if num_buckets == 0:
             self.norm.set(0.0)
 
     def add(self, square: float) -> None:
-        with self._lock:
-            self._squares += square
-            self._left -= 1
-            if self._left == 0:
-                self.norm.set(self._squares ** 0.5)
+        self._squares += square
+        self._left -= 1
+        if self._left == 0:
+            self.norm.set(self._squares ** 0.5)
 
     def clip_coefficient(self, failure: FailureFlag) -> float:
         """`max_norm / (norm + 1e-6)` clamped to 1, as torch's `clip_grad_norm_` multiplies the gradients by."""

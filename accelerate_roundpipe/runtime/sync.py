@@ -68,6 +68,11 @@ class FailureFlag:
     def close(self) -> None:
         self.closed = True
 
+    @property
+    def running(self) -> bool:
+        """No thread failed and the engine is not closed: queued work may run (else it is skipped, cancelled)."""
+        return self.error is None and not self.closed
+
     def check(self) -> None:
         """Raise if the engine failed: in the caller, the original error once, then `EngineClosedError`."""
         if self.error is None and not self.closed:
@@ -250,7 +255,7 @@ class SerialExecutor:
             if job is None:
                 return
             try:
-                if self.failure.error is None and not self.failure.closed:  # abandoned: cancel
+                if self.failure.running:
                     job()
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 self.failure.fail(error, f"{self.thread.name} ({getattr(job, '__name__', 'job')})")

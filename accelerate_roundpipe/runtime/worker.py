@@ -129,7 +129,7 @@ class Worker:
                 return
             committing = False
             try:
-                if self.failure.error is None and not self.failure.closed:
+                if self.failure.running:
                     committing = self._run(job)
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 if isinstance(error, torch.cuda.OutOfMemoryError):
