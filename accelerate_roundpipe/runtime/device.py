@@ -176,12 +176,32 @@ class Device:
             if t is not None:
                 t.record_stream(self.compute_stream)
 
-    def upload_params(self, flats: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
-        """Start copying host compute copies (one flat bucket each) to the device; returns the device tensors and
-        one copy event per bucket (None on the CPU: the copy is already done). Call `use_params` for a bucket
-        before computing with it: a task's first layer can start as soon as its own bucket has landed."""
+    def empty_params(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device buffers shaped like the host compute copies `hosts`, for `upload_params_into` (allocated on the
+        parameter-upload stream, as the copies into them run there)."""
+        if not self.is_cuda:
+            return [torch.empty_like(h) for h in hosts]
+        with torch.cuda.stream(self.param_in):
+            return [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+
+    def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor]) -> list:
+        """Start copying host compute copies (one flat bucket each) into the device buffers `flats`; returns one
+        copy event per bucket (None on the CPU: the copy is already done). Call `use_params` for a bucket before
+        computing with it: a task's first layer can start as soon as its own bucket has landed."""
         faults.point("transfer.upload")
-        return self._upload(flats, self.param_in, track="parameter upload")
+        if not self.is_cuda:
+            for flat, host in zip(flats, hosts):
+                flat.copy_(host)
+            return [None] * len(flats)
+        with torch.cuda.stream(self.param_in):
+            begin, finish = self._traced(self.param_in, "parameter upload", hosts)
+            begin()
+            events = []
+            for flat, host in zip(flats, hosts):
+                flat.copy_(host, non_blocking=True)
+                events.append(self.param_in.record_event())
+            finish()
+            return events
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)

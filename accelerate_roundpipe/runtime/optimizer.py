@@ -23,7 +23,7 @@ from . import faults
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
 from .step_norm import PendingGradNorm, StepNorm
-from .sync import FailureFlag, SerialExecutor
+from .sync import FailureFlag, SerialExecutor, wait_for_any_turn
 
 _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -99,16 +99,14 @@ class LaggedOptimizer(torch.optim.Optimizer):
         clip, self._clip = self._clip, None
         lagged = self.async_step and self.steps_taken >= self.exact_steps_first
         self.steps_taken += 1
-        # With a clip the exact step cannot start before the whole backward (the global norm): then the bottom
-        # layers go first, in the order the next iteration's forward needs them ([Note: clipping without a drain]).
-        order = self._step_order[::-1] if clip is not None and not lagged else self._step_order
-        for bucket in order:
+        if not lagged:
+            entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write()) for bucket in self._step_order]
+            self.thread.submit(self._exact_step_job(entries, member_groups, clip))
+            return
+        for bucket in self._step_order:
             ticket = bucket.grads.reserve()
-            self.thread.submit(self._step_job(bucket, ticket, member_groups, clip))
-            if lagged:
-                self._held_writebacks.append(bucket)
-            else:
-                self._submit_writeback(bucket)
+            self.thread.submit(self._lagged_step_job(bucket, ticket, member_groups, clip))
+            self._held_writebacks.append(bucket)
 
     def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
         """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
@@ -137,46 +135,72 @@ class LaggedOptimizer(torch.optim.Optimizer):
 
         return measure_bucket
 
-    def _step_job(self, bucket: Bucket, ticket: int, member_groups, clip: StepNorm | None) -> Callable[[], None]:
-        ids = {id(s.optim) for s in bucket.slots}
+    def _step_bucket(self, bucket: Bucket, ticket: int, member_groups, clip: StepNorm | None) -> None:
+        """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`'s coefficient)."""
+        bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
+        try:
+            faults.point("optimizer.step")
+            ids = {id(s.optim) for s in bucket.slots}
+            groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
+            groups = [g for g in groups if g["params"]]
+            if clip is not None and bucket.grad_valid:
+                coefficient = clip.clip_coefficient(self.failure)
+                if coefficient < 1.0:  # torch multiplies by the clamped coefficient; by 1 changes nothing
+                    bucket.scale(coefficient)
+            if groups and bucket.grad_valid:
+                original = self.inner.param_groups
+                self.inner.param_groups = groups
+                try:
+                    with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
+                        self.inner.step()
+                finally:
+                    self.inner.param_groups = original
+            bucket.optim_version_seen = bucket.optim._version
+        finally:
+            bucket.grads.end(ticket)
 
+    def _write_back(self, bucket: Bucket, ticket: int) -> None:
+        """Write the optimizer copy into the compute copy, in write turn `ticket`."""
+        bucket.reads.begin_write(ticket, self.failure, f"readers of {bucket} before its write-back")
+        try:
+            faults.point("optimizer.writeback")
+            with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
+                bucket.compute.copy_(bucket.optim)
+        finally:
+            bucket.reads.end_write(ticket)
+
+    def _lagged_step_job(self, bucket: Bucket, ticket: int, member_groups,
+                         clip: StepNorm | None) -> Callable[[], None]:
         def step_bucket() -> None:
-            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
-            try:
-                faults.point("optimizer.step")
-                groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
-                groups = [g for g in groups if g["params"]]
-                if clip is not None and bucket.grad_valid:
-                    coefficient = clip.clip_coefficient(self.failure)
-                    if coefficient < 1.0:  # torch multiplies by the clamped coefficient; by 1 changes nothing
-                        bucket.scale(coefficient)
-                if groups and bucket.grad_valid:
-                    original = self.inner.param_groups
-                    self.inner.param_groups = groups
-                    try:
-                        with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
-                            self.inner.step()
-                    finally:
-                        self.inner.param_groups = original
-                bucket.optim_version_seen = bucket.optim._version
-            finally:
-                bucket.grads.end(ticket)
+            self._step_bucket(bucket, ticket, member_groups, clip)
 
         return step_bucket
 
+    def _exact_step_job(self, entries: list[tuple[Bucket, int, int]], member_groups,
+                        clip: StepNorm | None) -> Callable[[], None]:
+        """[Note: exact step order]
+        One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
+        in backward order), always taking, among the buckets whose gradients are final, the lowest one: the next
+        iteration's forward needs the bottom layers first. While the backward runs that is simply each bucket as it
+        lands (top layers first); what is still waiting when the backward ends (the bottom layers, which land last;
+        every layer when a clip needs the global norm first) then goes bottom-up, so the next forward starts as
+        soon as its first layers are written ([Note: uploads as versions land]) instead of after the whole step.
+        Each bucket's step is independent of the others', so the order changes no result."""
+        def step_as_gradients_land() -> None:
+            pending = list(entries)
+            while pending:
+                ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], self.failure,
+                                          f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
+                bucket, grad_ticket, write_ticket = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
+                pending.remove((bucket, grad_ticket, write_ticket))
+                self._step_bucket(bucket, grad_ticket, member_groups, clip)
+                self._write_back(bucket, write_ticket)
+
+        return step_as_gradients_land
+
     def _submit_writeback(self, bucket: Bucket) -> None:
         ticket = bucket.reads.reserve_write()
-
-        def writeback() -> None:
-            bucket.reads.begin_write(ticket, self.failure, f"readers of {bucket} before its write-back")
-            try:
-                faults.point("optimizer.writeback")
-                with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
-                    bucket.compute.copy_(bucket.optim)
-            finally:
-                bucket.reads.end_write(ticket)
-
-        self.thread.submit(writeback)
+        self.thread.submit(lambda: self._write_back(bucket, ticket))
 
     def release_writebacks(self) -> None:
         """Reserve the held write-backs after the reads reserved so far (called by the engine)."""

@@ -1,7 +1,8 @@
 """Parameter residency on one device: a task's parameters uploaded, bound into the layer copies, then released.
 
-The host buffers are read under read tickets ([Note: per-layer events]); the next task's uploads may start while the
-current task computes (`prefetch`), but only when every version it needs is already written.
+The host buffers are read under read tickets ([Note: per-layer events]); each bucket's upload is issued as soon as
+the version its task needs is written ([Note: uploads as versions land]), the next task's written buckets already
+while the current task computes (`prefetch`).
 """
 
 from __future__ import annotations
@@ -18,22 +19,34 @@ from .sync import FailureFlag
 class TaskParams:
     """Parameters of one task on the device.
 
-    `flats[b]` is bucket b's uploaded compute copy and `events[b]` its copy event, waited for on the compute stream
-    only when the first layer using the bucket runs (`pending`). For a task that computes gradients, every
-    trainable parameter is a leaf view of its flat whose `.grad` is preset to a view of a zeroed flat `grads[b]`:
-    autograd then accumulates each micro-batch's gradients in place into one flat buffer per bucket, ready to
-    download as is (views that require grad on a flat that requires grad would instead cost a full-size zero
-    tensor per parameter per backward). `tickets` are the read tickets held until the copies have read the host.
+    `flats[b]` is bucket b's compute copy on the device, allocated when the task is taken and filled by uploads
+    issued in ticket order as the bucket's version is written ([Note: uploads as versions land]); `events[b]` is
+    the copy event of an issued upload, waited for on the compute stream only when the first layer using the bucket
+    runs (`pending`). For a task that computes gradients, every trainable parameter is a leaf view of its flat whose
+    `.grad` is preset to a view of a zeroed flat `grads[b]`: autograd then accumulates each micro-batch's gradients
+    in place into one flat buffer per bucket, ready to download as is (views that require grad on a flat that
+    requires grad would instead cost a full-size zero tensor per parameter per backward). `tickets` are the read
+    tickets not yet ended (held until the copies have read the host), `unissued` those whose upload is not issued
+    yet: always a suffix of `tickets`.
     """
 
-    __slots__ = ("flats", "events", "pending", "tickets", "grads", "views")
+    __slots__ = ("flats", "events", "pending", "tickets", "unissued", "grads", "views")
 
-    def __init__(self, flats: dict[int, torch.Tensor], events: dict[int, object],
-                 tickets: list[tuple[int, int]]) -> None:
-        self.flats, self.events, self.tickets = flats, events, tickets
-        self.pending = {b for b, e in events.items() if e is not None}
+    def __init__(self, flats: dict[int, torch.Tensor], tickets: list[tuple[int, int]]) -> None:
+        self.flats = flats
+        self.tickets = list(tickets)
+        self.unissued = list(tickets)
+        self.events: dict[int, object] = {}
+        self.pending: set[int] = set()
         self.grads: dict[int, torch.Tensor] = {}
         self.views: dict[int, list[torch.Tensor]] = {}
+
+    def mark_issued(self, batch: list[tuple[int, int]], events: list) -> None:
+        del self.unissued[:len(batch)]
+        for (bucket_index, _), event in zip(batch, events):
+            self.events[bucket_index] = event
+            if event is not None:
+                self.pending.add(bucket_index)
 
 
 class ParamResidency:
@@ -44,7 +57,7 @@ class ParamResidency:
         self.store = store
         self.failure = failure
         self.copies: dict[int, LayerCopy] = {}
-        self._prefetched: dict[int, TaskParams] = {}  # id(job) -> its parameters already in flight
+        self._prefetched: dict[int, TaskParams] = {}  # id(job) -> its parameters, some uploads already in flight
         self._bound: range = range(0)  # layers whose copies hold the running task's tensors
 
     def copy(self, layer_index: int) -> LayerCopy:
@@ -55,29 +68,47 @@ class ParamResidency:
             self.copies[layer_index] = copy
         return copy
 
-    def _start_upload(self, job: TaskJob, wait: bool) -> TaskParams | None:
-        """Issue the uploads of `job`'s parameters; without `wait`, only if every version it needs is ready."""
-        buckets = self.store.buckets
-        if not wait and not all(buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
-            return None
-        hosts = []
-        for bucket_index, epoch in job.read_tickets:
-            buckets[bucket_index].reads.begin_read(epoch, self.failure,
-                                                   f"{buckets[bucket_index]} version {epoch} for {job.task}")
-            hosts.append(buckets[bucket_index].compute)
-        flats, events = self.device.upload_params(hosts)
+    def _allocate(self, job: TaskJob) -> TaskParams:
         indices = [b for b, _ in job.read_tickets]
-        params = TaskParams(dict(zip(indices, flats)), dict(zip(indices, events)), job.read_tickets)
-        if not params.pending:
-            self.release(params)
-        return params
+        flats = self.device.empty_params([self.store.buckets[b].compute for b in indices])
+        return TaskParams(dict(zip(indices, flats)), job.read_tickets)
+
+    def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
+        """[Note: uploads as versions land]
+        Issue `params`' uploads in ticket order, each once its bucket's version is written: waiting (in the worker
+        thread) for the buckets in `need` and those before them, then going on with any later ones already written,
+        without waiting. Uploading a whole task's buckets only once every version was written made the first layer
+        of an iteration wait for the optimizer's very last write-back (with the exact step, the next forward
+        started only after the whole host step, then waited for a 4 GB upload); issued as versions land, the copies
+        overlap the step and the first layers compute while the optimizer still writes the layers above. Issue
+        order stays ticket (bottom-up) order: the copies run in that order on one stream, which is the order
+        layers need them and what `release_landed` relies on."""
+        buckets = self.store.buckets
+        while params.unissued:
+            need_more = any(b in need for b, _ in params.unissued)
+            batch: list[tuple[int, int]] = []
+            for bucket_index, epoch in params.unissued:
+                bucket = buckets[bucket_index]
+                if bucket.reads.version < epoch and (batch or not need_more):
+                    break  # not written yet: issue what is ready first; wait for it only on a later round
+                bucket.reads.begin_read(epoch, self.failure, f"{bucket} version {epoch} for the next task")
+                batch.append((bucket_index, epoch))
+            if not batch:
+                return
+            events = self.device.upload_params_into([params.flats[b] for b, _ in batch],
+                                                    [buckets[b].compute for b, _ in batch])
+            params.mark_issued(batch, events)
+            if not need_more:
+                return
 
     def release(self, params: TaskParams) -> None:
-        """Release the read tickets once the copies have read the host buffers (they run in order on one stream:
-        the last event covers them all)."""
-        last = next((e for e in reversed(list(params.events.values())) if e is not None), None)
+        """End the task's read tickets once the copies have read the host buffers (they run in order on one
+        stream: the last event covers them all). A bucket whose upload was never issued was never read."""
+        last = next((params.events[b] for b, _ in reversed(params.tickets) if params.events.get(b) is not None),
+                    None)
         if last is not None:
             last.synchronize()
+        params.unissued = []
         self._end_reads(params, len(params.tickets))
 
     def release_landed(self, params: TaskParams) -> None:
@@ -87,9 +118,9 @@ class ParamResidency:
         the next write-back of that bucket (and, behind it on the optimizer thread, every later step) wait for a
         whole pass. With the exact (sync) optimizer that serialised the step of iteration k behind iteration k's
         last task, so the next iteration found none of its weights ready. The copies run in ticket order on one
-        stream, so the landed ones are a prefix: the first copy still in flight ends the scan."""
+        stream, so the landed ones are a prefix of the issued ones: the first copy still in flight ends the scan."""
         landed = 0
-        for bucket_index, _ in params.tickets:
+        for bucket_index, _ in params.tickets[:len(params.tickets) - len(params.unissued)]:
             event = params.events.get(bucket_index)
             if event is not None and not event.query():
                 break
@@ -103,15 +134,22 @@ class ParamResidency:
         params.tickets = params.tickets[count:]
 
     def take(self, job: TaskJob) -> TaskParams:
-        """`job`'s parameters: the prefetched uploads, else uploads issued now (waiting for their versions)."""
-        return self._prefetched.pop(id(job), None) or self._start_upload(job, wait=True)
+        """`job`'s parameters on the device: the prefetched ones, else allocated now, with the uploads of every
+        version already written issued ([Note: uploads as versions land])."""
+        params = self._prefetched.pop(id(job), None) or self._allocate(job)
+        self._issue(params)
+        return params
 
     def prefetch(self, job: TaskJob | None) -> None:
-        """Start the uploads of the next queued `job` if its versions are ready (they overlap this task's compute)."""
-        if job is not None and id(job) not in self._prefetched:
-            early = self._start_upload(job, wait=False)
-            if early is not None:
-                self._prefetched[id(job)] = early
+        """Start the uploads of the next queued `job` that are already written (they overlap this task's compute);
+        nothing is allocated for it while its first bucket is not written."""
+        if job is None or id(job) in self._prefetched or not job.read_tickets:
+            return
+        first, epoch = job.read_tickets[0]
+        if self.store.buckets[first].reads.version >= epoch:
+            params = self._allocate(job)
+            self._issue(params)
+            self._prefetched[id(job)] = params
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
@@ -130,11 +168,15 @@ class ParamResidency:
         self._bound = job.task.span.layers
 
     def await_layer(self, params: TaskParams, layer_index: int) -> None:
-        """Make the compute stream wait for the buckets of `layer_index` that are still being copied."""
+        """Make the compute stream wait for the buckets of `layer_index`, issuing their uploads first if they are
+        not issued yet (waiting for their versions: [Note: uploads as versions land])."""
         self.release_landed(params)  # [Note: early read release]
-        if not params.pending:
+        if not params.pending and not params.unissued:
             return
-        for bucket_index in self.store.layer_buckets[layer_index]:
+        needed = self.store.layer_buckets[layer_index]
+        if params.unissued:
+            self._issue(params, need={b for b, _ in params.unissued if b in needed})
+        for bucket_index in needed:
             if bucket_index in params.pending:
                 params.pending.discard(bucket_index)
                 self.device.use_params([params.flats[bucket_index]], params.events[bucket_index])

@@ -96,8 +96,9 @@ class FailureFlag:
                 f"{self.error}. Build a new engine to continue.") from self.error
         raise EngineClosedError("the RoundPipe engine is closed; build a new one to continue.")
 
-    def wait(self, cond: threading.Condition, ready: Callable[[], bool], what: str) -> None:
-        """Wait on `cond` (held by the caller) until `ready()`; raise on failure or timeout."""
+    def wait(self, cond: threading.Condition, ready: Callable[[], bool], what: str, poll_s: float = POLL_S) -> None:
+        """Wait on `cond` (held by the caller) until `ready()`, re-checking at least every `poll_s`; raise on
+        failure or timeout."""
         deadline = time.monotonic() + self.timeout_s
         while not ready():
             self.check()
@@ -108,7 +109,7 @@ class FailureFlag:
                 with self._lock:
                     self._reported = self._reported or not getattr(_engine_thread, "active", False)
                 raise error
-            cond.wait(POLL_S)
+            cond.wait(poll_s)
 
 
 class Future:
@@ -220,9 +221,31 @@ class Sequencer:
             self._done = ticket + 1
             self._cond.notify_all()
 
+    def is_turn(self, ticket: int) -> bool:
+        return self._done == ticket
+
+    def wait_turn(self, ticket: int, seconds: float) -> bool:
+        """Wait at most `seconds` for `ticket`'s turn; whether it came (for callers that watch several)."""
+        with self._cond:
+            if self._done != ticket:
+                self._cond.wait(seconds)
+            return self._done == ticket
+
     @property
     def idle(self) -> bool:
         return self._done == self._reserved
+
+
+def wait_for_any_turn(turns: list[tuple[Sequencer, int]], failure: FailureFlag, what: str) -> list[int]:
+    """Indices of the `(sequencer, ticket)` pairs whose turn has come, waiting until at least one has: woken by the
+    first pair's sequencer (the one expected next), re-checking the others every millisecond."""
+    def ready() -> list[int]:
+        return [i for i, (sequencer, ticket) in enumerate(turns) if sequencer.is_turn(ticket)]
+
+    first = turns[0][0]
+    with first._cond:
+        failure.wait(first._cond, lambda: bool(ready()), what, poll_s=0.001)
+    return ready()
 
 
 class SerialExecutor:

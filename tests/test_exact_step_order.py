@@ -1,0 +1,124 @@
+"""[Note: exact step order] and [Note: uploads as versions land]: the exact step takes the lowest bucket whose
+gradients are final, steps each bucket as it lands while the backward runs, and the next iteration's first
+layers upload (and compute) before the step has written the layers above."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import torch
+from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.device import Device
+from accelerate_roundpipe.runtime.optimizer import LaggedOptimizer
+
+LR = 1e-2
+
+
+def _engine(model):
+    engine = RoundPipe(model, RoundPipeConfig(devices=["cpu"], num_microbatches=2, async_optimizer=False))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.1))
+    return engine, optimizer
+
+
+def _record(monkeypatch, name: str, log: list) -> None:
+    """Log (what, bucket, time) around `LaggedOptimizer.<name>`."""
+    original = getattr(LaggedOptimizer, name)
+
+    def recorded(self, bucket, *args):
+        log.append((f"{name} begins", bucket, time.monotonic()))
+        original(self, bucket, *args)
+        log.append((f"{name} ends", bucket, time.monotonic()))
+
+    monkeypatch.setattr(LaggedOptimizer, name, recorded)
+
+
+def test_buckets_already_final_step_bottom_up_and_match_plain_adamw(monkeypatch):
+    model = tied_model()
+    reference = copy.deepcopy(model)
+    x, mask, y = batch()
+    engine, optimizer = _engine(model)
+    steps: list = []
+    _record(monkeypatch, "_step_bucket", steps)
+    engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+    engine.synchronize()  # every gradient is final before the step starts
+    optimizer.step()
+    engine.synchronize()
+    order = [min(bucket.layers) for what, bucket, _ in steps if what.endswith("begins")]
+    assert order == sorted(order) and len(order) == len(engine._store.trainable_buckets)
+
+    _, grads = reference_loss_and_grads(reference, x, mask, y, num_microbatches=2)
+    plain = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    for name, p in reference.named_parameters():
+        p.grad = grads[name]
+    plain.step()
+    stepped = dict(engine.module.named_parameters())
+    for name, p in reference.named_parameters():
+        assert_close(stepped[name].detach(), p.detach(), rtol=1e-12, what=name)
+    engine.close()
+
+
+def test_buckets_step_as_their_gradients_land_while_the_backward_runs(monkeypatch):
+    engine, optimizer = _engine(tied_model())
+    steps: list = []
+    _record(monkeypatch, "_step_bucket", steps)
+    commits: list[float] = []
+
+    def slow_commits(point: str) -> None:
+        if point == "commit":
+            time.sleep(0.05)
+            commits.append(time.monotonic())
+
+    x, mask, y = batch()
+    with faults.injected(slow_commits):
+        engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+        optimizer.step()
+        engine.synchronize()
+    begins = [(min(bucket.layers), t) for what, bucket, t in steps if what.endswith("begins")]
+    top = max(layer for layer, _ in begins)
+    # The top bucket lands first and is stepped at once, long before the backward's last gradient is committed.
+    assert begins[0][0] == top and begins[0][1] < max(commits) - 0.04
+    engine.close()
+
+
+def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(monkeypatch):
+    engine, optimizer = _engine(tied_model())
+    log: list = []
+    _record(monkeypatch, "_write_back", log)
+    store = engine._store
+    bucket_of_host = {id(b.compute): b for b in store.buckets}
+    original_upload = Device.upload_params_into
+
+    def recorded_upload(self, flats, hosts):
+        for host in hosts:
+            log.append(("upload", bucket_of_host[id(host)], time.monotonic()))
+        return original_upload(self, flats, hosts)
+
+    monkeypatch.setattr(Device, "upload_params_into", recorded_upload)
+
+    def slow_writebacks(point: str) -> None:
+        if point == "optimizer.writeback" and threading.current_thread().name == "roundpipe-optimizer":
+            time.sleep(0.03)
+
+    x, mask, y = batch()
+    engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+    engine.synchronize()
+    with faults.injected(slow_writebacks):
+        optimizer.clip_grad_norm_(1e-3)  # every bucket then waits for the global norm: the step goes bottom-up
+        optimizer.step()
+        log.append(("step queued", None, time.monotonic()))
+        engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+        engine.synchronize()
+    queued = next(t for what, _, t in log if what == "step queued")
+    uploads = [(bucket.index, t) for what, bucket, t in log if what == "upload" and t > queued]
+    written = {bucket.index: t for what, bucket, t in log if what == "_write_back ends"}
+    first_upload = min(t for _, t in uploads)
+    assert first_upload < max(written.values()) - 0.02  # the first layer moved while the layers above were written
+    for index, t in uploads:  # and no upload read a version before it was written
+        if index in written:
+            assert t >= written[index], f"bucket {index} uploaded before its write-back"
+    engine.close()
