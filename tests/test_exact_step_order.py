@@ -9,12 +9,13 @@ import threading
 import time
 
 import torch
-from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime import faults
 from accelerate_roundpipe.runtime.device import Device
 from accelerate_roundpipe.runtime.optimizer import LaggedOptimizer
+
+from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
 LR = 1e-2
 
