@@ -89,9 +89,10 @@ def test_buckets_step_as_their_gradients_land_while_the_backward_runs(monkeypatc
 def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(monkeypatch):
     engine, optimizer = _engine(tied_model())
     log: list = []
-    _record(monkeypatch, "_write_back", log)
+    _record(monkeypatch, "_exact_step", log)
     store = engine._store
     bucket_of_host = {id(b.compute): b for b in store.buckets}
+    bucket_of_host.update({id(b.optim): b for b in store.trainable_buckets})
     original_upload = Device.upload_params_into
 
     def recorded_upload(self, flats, hosts):
@@ -101,14 +102,14 @@ def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(mo
 
     monkeypatch.setattr(Device, "upload_params_into", recorded_upload)
 
-    def slow_writebacks(point: str) -> None:
-        if point == "optimizer.writeback" and threading.current_thread().name == "roundpipe-optimizer":
+    def slow_steps(point: str) -> None:
+        if point == "optimizer.step" and threading.current_thread().name == "roundpipe-optimizer":
             time.sleep(0.03)
 
     x, mask, y = batch()
     engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
     engine.synchronize()
-    with faults.injected(slow_writebacks):
+    with faults.injected(slow_steps):
         optimizer.clip_grad_norm_(1e-3)  # every bucket then waits for the global norm: the step goes bottom-up
         optimizer.step()
         log.append(("step queued", None, time.monotonic()))
@@ -116,10 +117,47 @@ def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(mo
         engine.synchronize()
     queued = next(t for what, _, t in log if what == "step queued")
     uploads = [(bucket.index, t) for what, bucket, t in log if what == "upload" and t > queued]
-    written = {bucket.index: t for what, bucket, t in log if what == "_write_back ends"}
+    written = {bucket.index: t for what, bucket, t in log if what == "_exact_step ends"}
     first_upload = min(t for _, t in uploads)
     assert first_upload < max(written.values()) - 0.02  # the first layer moved while the layers above were written
     for index, t in uploads:  # and no upload read a version before it was written
         if index in written:
-            assert t >= written[index], f"bucket {index} uploaded before its write-back"
+            assert t >= written[index], f"bucket {index} uploaded before its step was written"
     engine.close()
+
+
+def _train_float32(look_every_step: bool, steps: int = 3):
+    """Exact AdamW steps on a float32 model with float64 optimizer copies; `look_every_step` synchronizes (which
+    writes the compute copies back) after each step."""
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], num_microbatches=2, async_optimizer=False,
+                                                     param_dtype=torch.float32, optimizer_dtype=torch.float64))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR))
+    losses = []
+    for step in range(steps):
+        x, mask, y = batch(seed=step)
+        losses.append(float(engine.forward_backward(x.float(), mask, labels=y,
+                                                    loss_fn=torch.nn.functional.cross_entropy)))
+        optimizer.step()
+        optimizer.zero_grad()
+        if look_every_step:
+            engine.synchronize()
+    return engine, losses
+
+
+def test_exact_steps_upload_the_optimizer_copy_and_looking_changes_nothing():
+    """[Note: exact step without write-back]: the devices read the stepped optimizer copy, cast to the compute
+    dtype on upload, exactly what a write-back would have given them; the compute copies are written only when
+    someone looks, and then hold the newest weights."""
+    unseen, unseen_losses = _train_float32(look_every_step=False)
+    looked, looked_losses = _train_float32(look_every_step=True)
+    assert unseen_losses == looked_losses  # bit for bit: a cast on upload is the host's cast
+    unseen._background.optimizer.thread.wait_idle()
+    stale = [b for b in unseen._store.trainable_buckets if not torch.equal(b.compute, b.optim.to(b.compute.dtype))]
+    assert stale and all(b.current_in_optim for b in stale)  # nobody looked: no write-back pass ran
+    unseen.synchronize()
+    for (name, a), (_, b) in zip(unseen.module.named_parameters(), looked.module.named_parameters()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
+    for bucket in unseen._store.trainable_buckets:
+        assert torch.equal(bucket.compute, bucket.optim.to(bucket.compute.dtype)) and not bucket.current_in_optim
+    unseen.close()
+    looked.close()

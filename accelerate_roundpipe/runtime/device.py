@@ -22,6 +22,9 @@ _RNG_LOCKS: dict[str, threading.Lock] = {}
 _RNG_LOCKS_GUARD = threading.Lock()
 
 
+UPLOAD_CAST_CHUNK = 1 << 25  # elements a host->device copy with a cast stages at a time (128 MiB of float32)
+
+
 def _rng_lock(device: torch.device) -> threading.Lock:
     with _RNG_LOCKS_GUARD:
         return _RNG_LOCKS.setdefault(str(device), threading.Lock())
@@ -185,9 +188,10 @@ class Device:
             return [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
 
     def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor]) -> list:
-        """Start copying host compute copies (one flat bucket each) into the device buffers `flats`; returns one
-        copy event per bucket (None on the CPU: the copy is already done). Call `use_params` for a bucket before
-        computing with it: a task's first layer can start as soon as its own bucket has landed."""
+        """Start copying host buckets (compute copies, or optimizer copies in another dtype, cast on the device)
+        into the device buffers `flats`; returns one copy event per bucket (None on the CPU: the copy is already
+        done). Call `use_params` for a bucket before computing with it: a task's first layer can start as soon as
+        its own bucket has landed."""
         faults.point("transfer.upload")
         if not self.is_cuda:
             for flat, host in zip(flats, hosts):
@@ -198,10 +202,23 @@ class Device:
             begin()
             events = []
             for flat, host in zip(flats, hosts):
-                flat.copy_(host, non_blocking=True)
+                if host.dtype == flat.dtype:
+                    flat.copy_(host, non_blocking=True)
+                else:
+                    self._upload_and_cast(flat, host)
                 events.append(self.param_in.record_event())
             finish()
             return events
+
+    def _upload_and_cast(self, flat: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy `host` to the device in its own dtype, then cast into `flat`, in chunks through one staging
+        buffer (torch's own cross-device copy with a dtype change would cast on the host first)."""
+        staging = torch.empty(min(host.numel(), UPLOAD_CAST_CHUNK), dtype=host.dtype, device=self.device)
+        for start in range(0, host.numel(), UPLOAD_CAST_CHUNK):
+            part = host[start:start + UPLOAD_CAST_CHUNK]
+            stage = staging[:part.numel()]
+            stage.copy_(part, non_blocking=True)
+            flat[start:start + part.numel()].copy_(stage)  # same stream: the next chunk's copy waits for this cast
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)

@@ -104,7 +104,9 @@ class RoundPipe(nn.Module):
         names = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
-        self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names)
+        exact_steps = not self.config.resolved_async_optimizer or bool(self.config.async_warmup_steps)
+        self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names,
+                                pin_optimizer_copies=exact_steps)
         self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)

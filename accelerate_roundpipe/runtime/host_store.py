@@ -64,6 +64,13 @@ class Bucket:
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
+    # The version the read tickets hand out lives in `optim`, and `compute` is older: after an exact step, until
+    # someone on the host looks ([Note: exact step without write-back]). Set by the writer of that version.
+    current_in_optim: bool = False
+
+    def current(self) -> torch.Tensor:
+        """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket)."""
+        return self.optim if self.current_in_optim else self.compute
 
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"
@@ -151,9 +158,12 @@ class Binding:
 
 class HostStore:
     def __init__(self, layers: list[nn.Module], param_dtype: torch.dtype | None,
-                 optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str]) -> None:
+                 optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str],
+                 pin_optimizer_copies: bool = False) -> None:
         self.layers = layers
         self.pin_memory = pin_memory
+        # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]).
+        self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
         self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
         self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
@@ -211,7 +221,9 @@ class HostStore:
         optim = grad = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
-            optim = torch.zeros(compute.numel(), dtype=odtype)  # only the CPU reads it
+            # Uploaded by exact steps ([Note: exact step without write-back]), else read by the CPU only.
+            optim = (self.memory.zeros(compute.numel(), odtype) if self.pin_optimizer_copies
+                     else torch.zeros(compute.numel(), dtype=odtype))
             grad = self.memory.zeros(compute.numel(), odtype)  # a device copy may land in it
         bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
         with torch.no_grad():

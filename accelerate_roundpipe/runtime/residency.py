@@ -96,7 +96,7 @@ class ParamResidency:
             if not batch:
                 return
             events = self.device.upload_params_into([params.flats[b] for b, _ in batch],
-                                                    [buckets[b].compute for b, _ in batch])
+                                                    [buckets[b].current() for b, _ in batch])
             params.mark_issued(batch, events)
             if not need_more:
                 return
