@@ -141,6 +141,7 @@ def _train_float32(look_every_step: bool, steps: int = 3):
         optimizer.zero_grad()
         if look_every_step:
             engine.synchronize()
+    engine._dispatch.wait_inflight()  # the workers are done (they fork the process RNG the next model draws from)
     return engine, losses
 
 
@@ -161,3 +162,40 @@ def test_exact_steps_upload_the_optimizer_copy_and_looking_changes_nothing():
         assert torch.equal(bucket.compute, bucket.optim.to(bucket.compute.dtype)) and not bucket.current_in_optim
     unseen.close()
     looked.close()
+
+
+def _clipped_float32(in_optimizer: bool, steps: int = 3):
+    engine = RoundPipe(tied_model().float(), RoundPipeConfig(devices=["cpu"], num_microbatches=2,
+                                                             async_optimizer=False))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.1))
+    norms = []
+    for step in range(steps):
+        x, mask, y = batch(seed=step)
+        engine.forward_backward(x.float(), mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+        if in_optimizer:
+            norms.append(float(optimizer.clip_grad_norm_(1e-3)))
+        else:
+            engine.synchronize()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(engine.parameters()), 1e-3)))
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    engine.close()
+    return norms, weights
+
+
+def test_a_float32_clip_runs_inside_the_fused_kernel_as_torchs_clip(monkeypatch):
+    """[Note: clip in the kernel]: no scaling pass over the gradients, and the weights torch's clip gives (to the
+    rounding of a division by the scale against a multiplication by the coefficient)."""
+    from accelerate_roundpipe.runtime.host_store import Bucket
+
+    reference_norms, reference = _clipped_float32(in_optimizer=False)
+    passes = []
+    original_scale = Bucket.scale
+    monkeypatch.setattr(Bucket, "scale", lambda self, ratio: (passes.append(ratio), original_scale(self, ratio)))
+    norms, weights = _clipped_float32(in_optimizer=True)
+    assert passes == [] and all(n > 1e-3 for n in norms)
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-6, atol=0)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

@@ -111,6 +111,10 @@ class Bucket:
 
     def scale(self, ratio: float) -> None:
         self.grad.mul_(ratio)
+        self.record_scale(ratio)
+
+    def record_scale(self, ratio: float) -> None:
+        """The optimizer's kernel multiplied the gradients by `ratio` as it read them ([Note: clip in the kernel])."""
         self.grad_sq = None if self.grad_sq is None else self.grad_sq * ratio * ratio
 
     def squared_norm(self) -> float:
