@@ -73,7 +73,8 @@ class RoundPipeTrainer(Trainer):
         check_training_args(args)
         self.roundpipe_plugin = plugin_from_training_args(args)
         self._late_grad_norm: LateGradNorm | None = None
-        self._metrics: MetricsWindow | None = None
+        # Not `_metrics`: TRL's trainers keep their own `_metrics` dict under that name (they may sit on top of this class).
+        self._roundpipe_metrics: MetricsWindow | None = None
         super().__init__(model, args, *more, **kwargs)
 
     @property
@@ -117,12 +118,12 @@ class RoundPipeTrainer(Trainer):
         (added here, before the Trainer hands the logs to its history and reporters)."""
         engine = self.roundpipe_engine
         if engine is not None and "loss" in logs:
-            if self._metrics is None or self._metrics.engine is not engine:
+            if self._roundpipe_metrics is None or self._roundpipe_metrics.engine is not engine:
                 peak = engine.config.peak_tflops
-                self._metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
+                self._roundpipe_metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
                                               peak * 1e12 * len(engine.devices) if peak else None)
             else:
-                logs = {**logs, **self._metrics.sample()}
+                logs = {**logs, **self._roundpipe_metrics.sample()}
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ training step
