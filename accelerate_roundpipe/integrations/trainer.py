@@ -34,6 +34,7 @@ from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engin
 from .convert import engine_of
 from .grad_norm import LateGradNorm
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
+from .trl import refuse_adapter_toggled_reference
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class RoundPipeTrainer(Trainer):
         check_training_args(args)
         self.roundpipe_plugin = plugin_from_training_args(args)
         self._late_grad_norm: LateGradNorm | None = None
-        # Not `_metrics`: TRL's trainers keep their own `_metrics` dict under that name (they may sit on top of this class).
+        # Not `_metrics`: TRL's trainers, which may sit on top of this class, keep their own `_metrics` dict.
         self._roundpipe_metrics: MetricsWindow | None = None
         super().__init__(model, args, *more, **kwargs)
 
@@ -95,6 +96,16 @@ class RoundPipeTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         finally:
             trainer_module.Accelerator = original
+        self.accelerator.frozen_for_evaluation = self._is_auxiliary_model
+
+    def _is_auxiliary_model(self, model) -> bool:
+        """A model other than the one this Trainer trains, prepared for evaluation only: TRL's DPO reference model.
+        It goes on RoundPipe frozen (see `RoundPipeAccelerator.frozen_for_evaluation`)."""
+        return all(model is not mine for mine in (getattr(self, "model", None), getattr(self, "model_wrapped", None)))
+
+    def train(self, *args, **kwargs):
+        refuse_adapter_toggled_reference(self)
+        return super().train(*args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # the weights live in RoundPipe's host store; the engine moves what the devices need

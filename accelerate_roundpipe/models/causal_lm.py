@@ -26,8 +26,8 @@ from ..runtime.engine import RoundPipe
 from .kernels import apply_fused_kernels
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
-from .token_fields import FIELDS, IGNORE_INDEX
 from .tiled_mlp import tile_mlps
+from .token_fields import FIELDS, IGNORE_INDEX
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
