@@ -17,10 +17,22 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_SCRIPT = os.path.join(REPO, "tests", "assets", "trl_sft_script.py")
-ROUNDPIPE_ENV = {"ROUNDPIPE_DEVICES": "cpu,cpu", "ROUNDPIPE_NUM_MICROBATCHES": "2", "ROUNDPIPE_ASYNC_OPTIMIZER": "false"}
+ROUNDPIPE_ENV = {
+    "ROUNDPIPE_DEVICES": "cpu,cpu",
+    "ROUNDPIPE_NUM_MICROBATCHES": "2",
+    "ROUNDPIPE_ASYNC_OPTIMIZER": "false",
+}
 LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
-DPO_LOGGED = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
-              "rewards/margins", "logits/chosen")
+DPO_LOGGED = (
+    "loss",
+    "grad_norm",
+    "logps/chosen",
+    "logps/rejected",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logits/chosen",
+)
 
 
 @pytest.fixture
@@ -57,8 +69,19 @@ def texts(count: int = 16) -> list[str]:
 
 
 def common_args(output_dir) -> dict:
-    return dict(output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=4, logging_steps=1, report_to=[],
-                learning_rate=1e-3, use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True)
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        learning_rate=1e-3,
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
 
 
 def logged(trainer, keys) -> list[list[float]]:
@@ -67,8 +90,13 @@ def logged(trainer, keys) -> list[list[float]]:
 
 def assert_logs_close(ours, theirs, what: str, rtol: float = 2e-5, atol: float = 1e-6) -> None:
     assert len(ours) == len(theirs) == 3, (what, ours, theirs)
-    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
-                               rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}\nours   {ours}\ntheirs {theirs}")
+    torch.testing.assert_close(
+        torch.tensor(ours, dtype=torch.float64),
+        torch.tensor(theirs, dtype=torch.float64),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{what}: {m}\nours   {ours}\ntheirs {theirs}",
+    )
 
 
 # ---------------------------------------------------------------------- the fused LM head's per-token fields
@@ -114,8 +142,13 @@ def test_fused_lm_head_fields_and_gradients_match_plain_float64(trl, tokenizer):
             "mean_logits": logits.mean(-1).detach() * mask,
         }
         for name, value in expected.items():
-            torch.testing.assert_close(getattr(ours, name).detach(), value.detach(), rtol=1e-10, atol=1e-10,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                getattr(ours, name).detach(),
+                value.detach(),
+                rtol=1e-10,
+                atol=1e-10,
+                msg=lambda m, name=name: f"{name}: {m}",
+            )
         assert torch.equal(ours.is_top1, (logits.argmax(-1) == shifted) & mask)
         assert torch.equal(ours.label_mask, mask)
         torch.testing.assert_close(ours.loss, -expected["log_probs"].sum() / mask.sum(), rtol=1e-12, atol=0)
@@ -123,8 +156,9 @@ def test_fused_lm_head_fields_and_gradients_match_plain_float64(trl, tokenizer):
         dpo_like(expected["log_probs"]).backward()
         grads = dict(engine.named_parameters())
         for name, p in plain.named_parameters():
-            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m, name=name: f"grad of {name}: {m}")
+            torch.testing.assert_close(
+                grads[name].grad, p.grad, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"grad of {name}: {m}"
+            )
 
         trl_model = copy.deepcopy(plain)
         add_fused_lm_head(trl_model, outputs=("log_probs", "entropy", "is_top1"))
@@ -169,36 +203,49 @@ def test_overridden_compute_loss_runs_on_the_workers(trl, tokenizer, roundpipe_e
         keys = ("input_ids", "attention_mask", "labels")
         return model(**{k: inputs[k] for k in keys}, num_items_in_batch=num_items_in_batch).loss
 
-    plain = sft_run(type("PlainOwnLoss", (trl.SFTTrainer,), {"compute_loss": own_loss}), trl, tokenizer,
-                    tmp_path / "plain")
-    ours = sft_run(type("OursOwnLoss", (RoundPipeSFTTrainer,), {"compute_loss": own_loss}), trl, tokenizer,
-                   tmp_path / "rp")
+    plain = sft_run(
+        type("PlainOwnLoss", (trl.SFTTrainer,), {"compute_loss": own_loss}), trl, tokenizer, tmp_path / "plain"
+    )
+    ours = sft_run(
+        type("OursOwnLoss", (RoundPipeSFTTrainer,), {"compute_loss": own_loss}), trl, tokenizer, tmp_path / "rp"
+    )
     assert_logs_close(logged(ours, ("loss", "grad_norm")), logged(plain, ("loss", "grad_norm")), "own compute_loss")
 
 
-def test_unedited_trl_script_under_the_launcher(trl, tmp_path):
-    """`python -m accelerate_roundpipe.run trl_sft_script.py ARGS` (a stock SFTTrainer script) trains on RoundPipe
-    and logs the losses of `python trl_sft_script.py ARGS`."""
+def test_unedited_trl_script_under_the_launcher(trl, tokenizer, tmp_path):
+    """`python -m accelerate_roundpipe.run trl_sft_script.py ARGS` (a stock SFTTrainer script, in a fresh process so
+    TRL is imported after the launcher swapped the Trainer) trains on RoundPipe and logs the losses of the plain
+    SFTTrainer run with the same settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_")}
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM":
-                "false", "HF_HOME": str(tmp_path / "hf_home"), "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH",
-                                                                                                        "")})
-    flags = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--report_to", "none",
-             "--learning_rate", "1e-3", "--use_cpu", "--bf16", "false", "--save_strategy", "no", "--max_length", "32",
-             "--disable_tqdm", "true"]
-    logs = {}
-    for name, prefix in (("plain", []), ("rp", ["-m", "accelerate_roundpipe.run"])):
-        out = str(tmp_path / name)
-        command = [sys.executable, *prefix, SFT_SCRIPT, "--output_dir", out, *flags]
-        result = subprocess.run(command, env={**env, **(ROUNDPIPE_ENV if name == "rp" else {})}, cwd=REPO,
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-5000:]}"
-        with open(os.path.join(out, "trainer_state.json")) as f:
-            logs[name] = [e for e in json.load(f)["log_history"] if "loss" in e]
-    assert_logs_close([[e[k] for k in LOGGED] for e in logs["rp"]], [[e[k] for k in LOGGED] for e in logs["plain"]],
-                      "launcher vs plain script")
-    assert any("roundpipe/host_rss_gib" in e for e in logs["rp"]) and not any("roundpipe/host_rss_gib" in e
-                                                                               for e in logs["plain"])
+    env.update(
+        {
+            **ROUNDPIPE_ENV,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+        }
+    )
+    out = str(tmp_path / "rp")
+    flags = [f"--{k}={v}" for k, v in common_args(out).items() if k != "report_to"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate_roundpipe.run",
+        SFT_SCRIPT,
+        *flags,
+        "--report_to=none",
+        "--max_length=32",
+    ]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-5000:]}"
+    with open(os.path.join(out, "trainer_state.json")) as f:
+        ours = [e for e in json.load(f)["log_history"] if "loss" in e]
+    plain = sft_run(trl.SFTTrainer, trl, tokenizer, tmp_path / "plain")
+    assert_logs_close([[e[k] for k in LOGGED] for e in ours], logged(plain, LOGGED), "launcher vs plain SFTTrainer")
+    assert any("roundpipe/host_rss_gib" in e for e in ours)  # RoundPipeTrainer's metrics: the engine trained
 
 
 # ---------------------------------------------------------------------- DPO
@@ -211,8 +258,9 @@ def dpo_dataset():
     rows = []
     for text in texts():
         words = text.split()
-        rows.append(dict(prompt=" ".join(words[:6]), chosen=" " + " ".join(words[6:12]),
-                         rejected=" " + " ".join(words[12:18])))
+        rows.append(
+            dict(prompt=" ".join(words[:6]), chosen=" " + " ".join(words[6:12]), rejected=" " + " ".join(words[12:18]))
+        )
     return Dataset.from_list(rows)
 
 
@@ -220,8 +268,9 @@ def dpo_run(trainer_class, trl, tokenizer, output_dir, **extra):
     model = tiny_model(tokenizer)
     ref_model = copy.deepcopy(model)
     args = trl.DPOConfig(**common_args(output_dir), max_length=48)
-    trainer = trainer_class(model=model, ref_model=ref_model, args=args, train_dataset=dpo_dataset(),
-                            processing_class=tokenizer, **extra)
+    trainer = trainer_class(
+        model=model, ref_model=ref_model, args=args, train_dataset=dpo_dataset(), processing_class=tokenizer, **extra
+    )
     trainer.train()
     return trainer
 
