@@ -1,4 +1,5 @@
-"""The ways in from code: the Accelerate plugin and accelerator, `RoundPipeTrainer` and its training arguments.
+"""The ways in from code: the Accelerate plugin and accelerator, `RoundPipeTrainer` and its training arguments, TRL's
+SFT and DPO trainers on RoundPipe (`RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`; TRL imported on first use).
 (Stock scripts come in through `accelerate_roundpipe.launch`.)
 
 Names are imported on first use: `RoundPipeAccelerator` and `RoundPipeTrainer` subclass accelerate's and
@@ -14,6 +15,8 @@ _EXPORTS = {
     "RoundPipeAccelerator": ".accelerator",
     "RoundPipeTrainer": ".trainer",
     "RoundPipeTrainingArguments": ".training_args",
+    "RoundPipeSFTTrainer": ".trl",
+    "RoundPipeDPOTrainer": ".trl",
 }
 
 __all__ = list(_EXPORTS)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import accelerate
@@ -64,6 +65,9 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         self._refuse_compilation()
         self._adopt_mixed_precision()
         self._roundpipe_engines: list[RoundPipe] = []
+        # Which models given to `prepare_model(..., evaluation_mode=True)` never train: they go on RoundPipe frozen
+        # (compute copies only, no optimizer copy or gradient buffer). `RoundPipeTrainer` sets it (a DPO reference).
+        self.frozen_for_evaluation: Callable[[nn.Module], bool] = lambda model: False
         self._roundpipe_load_dir: str | None = None
         self.register_load_state_pre_hook(self._remember_load_dir)
 
@@ -111,6 +115,8 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if evaluation_mode and engine_of(model) is None and self.frozen_for_evaluation(model):
+            model.requires_grad_(False)
         prepared = self._convert(model)
         if prepared not in self._models:
             self._models.append(prepared)

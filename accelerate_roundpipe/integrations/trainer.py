@@ -34,6 +34,7 @@ from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engin
 from .convert import engine_of
 from .grad_norm import LateGradNorm
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
+from .trl import refuse_adapter_toggled_reference
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class RoundPipeTrainer(Trainer):
         check_training_args(args)
         self.roundpipe_plugin = plugin_from_training_args(args)
         self._late_grad_norm: LateGradNorm | None = None
-        self._metrics: MetricsWindow | None = None
+        # Not `_metrics`: TRL's trainers, which may sit on top of this class, keep their own `_metrics` dict.
+        self._roundpipe_metrics: MetricsWindow | None = None
         super().__init__(model, args, *more, **kwargs)
 
     @property
@@ -94,6 +96,16 @@ class RoundPipeTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         finally:
             trainer_module.Accelerator = original
+        self.accelerator.frozen_for_evaluation = self._is_auxiliary_model
+
+    def _is_auxiliary_model(self, model) -> bool:
+        """A model other than the one this Trainer trains, prepared for evaluation only: TRL's DPO reference model.
+        It goes on RoundPipe frozen (see `RoundPipeAccelerator.frozen_for_evaluation`)."""
+        return all(model is not mine for mine in (getattr(self, "model", None), getattr(self, "model_wrapped", None)))
+
+    def train(self, *args, **kwargs):
+        refuse_adapter_toggled_reference(self)
+        return super().train(*args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # the weights live in RoundPipe's host store; the engine moves what the devices need
@@ -117,12 +129,12 @@ class RoundPipeTrainer(Trainer):
         (added here, before the Trainer hands the logs to its history and reporters)."""
         engine = self.roundpipe_engine
         if engine is not None and "loss" in logs:
-            if self._metrics is None or self._metrics.engine is not engine:
+            if self._roundpipe_metrics is None or self._roundpipe_metrics.engine is not engine:
                 peak = engine.config.peak_tflops
-                self._metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
+                self._roundpipe_metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
                                               peak * 1e12 * len(engine.devices) if peak else None)
             else:
-                logs = {**logs, **self._metrics.sample()}
+                logs = {**logs, **self._roundpipe_metrics.sample()}
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ training step

@@ -18,6 +18,7 @@ def build_batch(
     router_experts: int | None,
     router_probs_dtype: torch.dtype,
     router_statistics: bool = False,
+    token_fields: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The whole batch as a tuple of tensors with rows on dim 0, ready to be split into micro-batches.
 
@@ -25,6 +26,8 @@ def build_batch(
     `num_items_in_batch` (HF's, else the labels != -100 after the shift) and, for router aux losses, the batch's
     non-padding token count. `router_experts` is the expert count when router statistics must be carried: always
     with labels, and without labels when `router_statistics` is true (the head then returns them with the logits).
+    `token_fields=True` carries the labels alone: the head then returns their per-token log-probabilities
+    ([Note: per-token fields] in `token_fields.py`).
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds` to `prepare_inputs`.")
@@ -56,6 +59,14 @@ def build_batch(
         position_ids = position_ids.expand(num_rows, seq_len).contiguous()
 
     batch = (tokens, attention_mask, position_ids)
+    if token_fields:
+        if labels is None:
+            raise ValueError("`token_fields=True` needs `labels` (the tokens whose log-probabilities are wanted).")
+        if router_experts is not None:
+            raise ValueError("per-token log-probabilities (TRL's fused LM head) are not supported for mixture-of-"
+                             "experts models with a router aux loss yet; set `output_router_logits=False` in the "
+                             "model config (TRL: `router_aux_loss_coef=0.0`).")
+        return batch + (labels,)
     if labels is None and not (router_statistics and router_experts is not None):
         return batch
 

@@ -6,7 +6,11 @@ is patched to route through the engine, so code holding the model keeps working:
 - train mode, grad enabled, `labels` given: the fused pipelined forward + backward, returning a loss whose
   `backward()` commits the gradients ([Note: deferred gradient commit]); `logits` is None (never materialised);
 - eval mode or no grad: a forward-only pipeline returning `logits` (and `loss` when `labels` are given);
-- grad enabled without labels: `logits` attached to the backward pipeline.
+- grad enabled without labels: `logits` attached to the backward pipeline;
+- `fused_lm_head=True` with `labels` (TRL's fused LM head, `trl.trainer.utils.add_fused_lm_head`): the labels'
+  per-token log-probabilities, entropies and the rest of TRL's `FusedCausalLMOutput`, computed in the pipeline's
+  head without the logits ever leaving it ([Note: per-token fields] in `token_fields.py`), attached to the backward
+  pipeline when grad is enabled.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from .kernels import apply_fused_kernels
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
 from .tiled_mlp import tile_mlps
+from .token_fields import FIELDS, IGNORE_INDEX
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
@@ -106,9 +111,11 @@ class CausalLMRoundPipe(RoundPipe):
     # ------------------------------------------------------------------ the patched model
 
     def _hf_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
-                    num_items_in_batch=None, **kwargs):
+                    num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **kwargs):
         batch = self._model_inputs(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                         inputs_embeds=inputs_embeds, **kwargs))
+        if fused_lm_head or shift_labels is not None:
+            return self._fused_lm_head_output(batch, labels, shift_labels, num_items_in_batch)
         if labels is not None and self.module.training and torch.is_grad_enabled():
             loss = self.forward_backward(labels=labels, num_items_in_batch=num_items_in_batch, deferred=True, **batch)
             return _causal_lm_output(loss, None)
@@ -121,6 +128,27 @@ class CausalLMRoundPipe(RoundPipe):
             aux = batch_router_aux_loss(output[1], output[2])
             loss = loss + self.split.layers[-1].router_aux_loss_coef * aux.to(loss.device, loss.dtype)
         return _causal_lm_output(loss, logits)
+
+    def _fused_lm_head_output(self, batch: dict[str, Any], labels, shift_labels, num_items_in_batch):
+        """What TRL's fused LM head returns for `model(**batch, labels=labels, fused_lm_head=True)`, computed by the
+        pipeline ([Note: per-token fields])."""
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        if shift_labels is not None:
+            raise ValueError("`shift_labels` (pre-shifted labels, from context or sequence parallelism) is not "
+                             "supported by the RoundPipe engine, which replaces those; pass unshifted `labels`.")
+        if labels is None:
+            raise ValueError("`fused_lm_head=True` needs `labels`: the tokens whose log-probabilities are wanted.")
+        temperature = _trl_head_setting(self._originals.get("forward"), "temperature", 1.0)
+        if temperature != 1.0:
+            raise ValueError(f"TRL's fused LM head was added with temperature={temperature}; the RoundPipe engine "
+                             f"computes log-probabilities at temperature 1 only (SFT and DPO use 1).")
+        fields = self(*self.split.prepare_inputs(labels=labels, token_fields=True, **batch))[:, :-1]
+        mask = labels[:, 1:] != IGNORE_INDEX
+        per_token = dict(zip(FIELDS, fields.unbind(-1)))
+        per_token["is_top1"] = per_token["is_top1"].bool()
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / count, label_mask=mask, **per_token)
 
     def _generate(self, original_generate, *args, **kwargs):
         # The pipeline keeps no KV cache: every new token reruns the whole sequence (see docs: generation).
@@ -141,6 +169,16 @@ class CausalLMRoundPipe(RoundPipe):
                     self.module.__dict__.pop(name, None)
                 else:
                     self.module.__dict__[name] = original
+
+
+def _trl_head_setting(patched_forward, name: str, default):
+    """A setting `add_fused_lm_head` closed over (its `temperature`), read from the forward it patched in; `default`
+    when the model's forward was not patched by TRL."""
+    function = getattr(patched_forward, "__func__", patched_forward)
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or not cells or name not in code.co_freevars:
+        return default
+    return cells[code.co_freevars.index(name)].cell_contents
 
 
 def wrap_model(model: nn.Module, config: RoundPipeConfig | None = None, **kwargs: Any) -> CausalLMRoundPipe:

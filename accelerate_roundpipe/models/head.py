@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .fused_ce import fused_linear_cross_entropy_sum
 from .router_aux import router_aux_loss
+from .token_fields import token_fields
 
 IGNORE_INDEX = -100
 # Fewest chunks a micro-batch's loss is split into (see [Note: loss chunk size]).
@@ -137,6 +138,8 @@ class CausalLMHead(nn.Module):
     def forward(self, hidden, attention_mask, position_ids, *extras):
         if not extras:
             return self.logits(hidden)
+        if len(extras) == 1:  # labels alone: the per-token fields of [Note: per-token fields]
+            return self._token_fields(hidden, extras[0])
         if len(extras) == 3:  # router statistics without labels: logits and the statistics (eval loss with aux)
             router_counts, router_probs, _batch_tokens = extras
             return self.logits(hidden), router_counts, router_probs
@@ -174,6 +177,26 @@ class CausalLMHead(nn.Module):
                 part = self._chunk_loss_sum(*args)
             total = part if total is None else total + part
         return total
+
+    def _token_fields(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[b, T, len(FIELDS)]: position t holds the fields of label t + 1 (the last position: zeros), computed over
+        the same chunks as the loss, each checkpointed ([Note: loss chunk size])."""
+        normed = self._normed(hidden)
+        shift_labels = nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        num_rows, seq_len = labels.shape
+        chunk_tokens = min(self.loss_chunk_tokens, -(-num_rows * seq_len // MIN_LOSS_CHUNKS))
+        chunk_len = max(1, chunk_tokens // max(num_rows, 1))
+        parts = []
+        for start in range(0, seq_len, chunk_len):
+            args = (normed[:, start : start + chunk_len], shift_labels[:, start : start + chunk_len])
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(self._chunk_token_fields, *args, use_reentrant=False))
+            else:
+                parts.append(self._chunk_token_fields(*args))
+        return torch.cat(parts, dim=1)
+
+    def _chunk_token_fields(self, normed_chunk: torch.Tensor, labels_chunk: torch.Tensor) -> torch.Tensor:
+        return token_fields(self._logits_of_normed(normed_chunk), labels_chunk)
 
     def _fusable_lm_head(self, normed: torch.Tensor) -> nn.Linear | None:
         """The lm_head when the fused loss computes exactly the logits HF would, else None ([Note: fused loss path])."""

@@ -15,7 +15,9 @@ Every pipeline layer receives and returns a flat tuple of tensors, each with the
   `(labels [b, T], num_items_in_batch [b])`, preceded for MoE families with a router aux loss by
   `(router_counts, router_probs, batch_tokens)` (see [Note: router statistics] in `router_aux.py`). A batch with the
   router statistics but no labels (`prepare_inputs(..., router_statistics=True)`, the eval loss of an MoE model)
-  makes the head return `(logits, router_counts, router_probs)`.
+  makes the head return `(logits, router_counts, router_probs)`. `(labels [b, T],)` alone
+  (`prepare_inputs(..., token_fields=True)`) makes it return the per-token fields of [Note: per-token fields] in
+  `token_fields.py`.
 
 Masks, rotary embeddings and the other decoder-layer arguments are recomputed inside each layer from this compact
 data by the model's own code (see [Note: shells] in `shell.py`), so no B x T x T tensor ever travels between layers.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import types
 
 from torch import nn
 
@@ -82,6 +83,11 @@ def make_shell(module: nn.Module, children: dict[str, nn.Module], plain: dict[st
     for key, value in list(vars(shell).items()):
         if "hooks" in key and isinstance(value, dict):
             setattr(shell, key, type(value)())
+        elif isinstance(value, types.MethodType) and value.__self__ is module:
+            # A method patched onto the instance (TRL's fused LM head on `forward`, accelerate's fp32 output
+            # wrapper) is bound to the original model: the shell would run the whole model through it, and a
+            # device's deep copy of the layer would copy the model and whatever holds it (threads, locks).
+            del shell.__dict__[key]
     for key, value in plain.items():
         shell.__dict__[key] = value
     return shell

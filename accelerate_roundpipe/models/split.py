@@ -51,11 +51,14 @@ class DecoderSplit:
         inputs_embeds: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         router_statistics: bool = False,
+        token_fields: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """The whole batch as the tuple layer 0 takes; every tensor has the batch rows on dim 0 and may be split.
 
         `router_statistics=True` without labels (MoE models with a router aux loss only) makes the last layer return
         `(logits, router_counts, router_probs)`, from which `batch_router_aux_loss` gives HF's aux loss.
+        `token_fields=True` (with labels) makes it return the labels' per-token log-probabilities instead of a loss
+        ([Note: per-token fields] in `token_fields.py`).
         """
         return build_batch(
             input_ids=input_ids,
@@ -67,6 +70,7 @@ class DecoderSplit:
             router_experts=self.router_experts,
             router_probs_dtype=torch.promote_types(self._parameter_dtype(), torch.float32),
             router_statistics=router_statistics,
+            token_fields=token_fields,
         )
 
     def parameter_names(self) -> dict[str, str]:

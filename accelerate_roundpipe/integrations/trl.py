@@ -1,0 +1,72 @@
+"""TRL's `SFTTrainer` and `DPOTrainer` on RoundPipe: `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`.
+
+    from accelerate_roundpipe.integrations.trl import RoundPipeSFTTrainer   # same arguments as trl.SFTTrainer
+    trainer = RoundPipeSFTTrainer(model=model, args=SFTConfig(...), train_dataset=..., processing_class=tokenizer)
+
+Each class is TRL's trainer with `RoundPipeTrainer` under it (`class RoundPipeSFTTrainer(SFTTrainer,
+RoundPipeTrainer)`), which is also what the stock-script launcher makes of an unmodified TRL script: TRL's trainers
+subclass `transformers.Trainer`, which the launcher has swapped for `RoundPipeTrainer` before TRL is imported.
+
+What makes TRL work on the engine:
+- TRL's loss needs per-token log-probabilities, which it asks for with `model(..., fused_lm_head=True)`; the
+  RoundPipe model answers that call from the pipeline's head ([Note: per-token fields] in `models/token_fields.py`),
+  and TRL's loss, computed on the host from them, back-propagates through the backward pipeline;
+- a DPO reference model is put on RoundPipe too, frozen (`RoundPipeTrainer._is_auxiliary_model`): its weights stay in
+  host memory as compute copies only, with no optimizer copy or gradient buffer, and stream to the same devices as
+  the policy's, so a reference as large as the policy needs no GPU memory of its own;
+- a PEFT policy without a reference model is refused (`refuse_adapter_toggled_reference`).
+
+`trl` is imported when a class is first used, so this module imports without TRL installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_TRL_TRAINERS = {"RoundPipeSFTTrainer": "SFTTrainer", "RoundPipeDPOTrainer": "DPOTrainer"}
+__all__ = list(_TRL_TRAINERS)
+
+
+def __getattr__(name: str):
+    if name not in _TRL_TRAINERS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _roundpipe_trl_trainer(_TRL_TRAINERS[name])
+
+
+@functools.cache
+def _roundpipe_trl_trainer(trl_name: str) -> type:
+    try:
+        import trl
+    except ImportError as error:
+        raise ImportError(
+            f"RoundPipe{trl_name} needs TRL: `pip install trl` (or `pip install accelerate-roundpipe[test]`)."
+        ) from error
+    from .trainer import RoundPipeTrainer
+
+    base = getattr(trl, trl_name)
+    doc = (
+        f"`trl.{trl_name}` whose model (and reference model) runs on RoundPipe. Takes the same arguments; "
+        f"RoundPipe settings come from `ROUNDPIPE_*` or `roundpipe_*` fields of a `RoundPipeTrainingArguments` "
+        f"(see accelerate_roundpipe.integrations.trl)."
+    )
+    # Under the launcher `base` already sits on RoundPipeTrainer; listing it again keeps the same order.
+    return type(f"RoundPipe{trl_name}", (base, RoundPipeTrainer), {"__doc__": doc, "__module__": __name__})
+
+
+def refuse_adapter_toggled_reference(trainer) -> None:
+    """TRL's preference trainers with a PEFT policy and no reference model take the reference log-probabilities with
+    the adapters disabled (`model.disable_adapter()`). That flag is set on the user's modules, but the engine's
+    devices run their own copies of the layers, which would keep the adapters on: the reference would silently be
+    the policy. Refused, with the fixes."""
+    from accelerate.utils import is_peft_model
+
+    if "ref_model" not in vars(trainer) or trainer.ref_model is not None or not is_peft_model(trainer.model):
+        return
+    if getattr(trainer.args, "precompute_ref_log_probs", False):
+        return  # computed once before training, on the model as the user built it
+    raise ValueError(
+        f"{type(trainer).__name__} has a PEFT model and no `ref_model`, so TRL would take the reference "
+        f"log-probabilities by disabling the adapters, which RoundPipe's device copies of the layers do "
+        f"not see. Pass `ref_model=` (the base model, e.g. `AutoModelForCausalLM.from_pretrained(...)`: "
+        f"it runs on RoundPipe frozen) or set `precompute_ref_log_probs=True`."
+    )
