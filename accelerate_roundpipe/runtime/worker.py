@@ -158,14 +158,14 @@ class Worker:
         self.residency.await_layer(params, layer_index)
         copy = self.residency.copy(layer_index)
         copy.set_training(job.state.training)
-        versions = copy.buffer_versions()
+        before = copy.state()  # [Note: stateless layers]
         profile = job.state.profile
         measure = _NO_PROFILE if profile is None else profile.measure(
             LayerRun.FORWARD_WITH_GRAPH if torch.is_grad_enabled() else LayerRun.FORWARD, layer_index, self.device,
             args)
         with measure, self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
             out = copy.module(*args)
-        copy.check_stateless(versions)
+        copy.check_stateless(before)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
 
     def _send_next(self, job: TaskJob, tensors: tuple) -> Payload:
