@@ -29,7 +29,7 @@ from .dispatch import Dispatcher
 from .host_store import HostStore
 from .jobs import PassState
 from .measured_plan import MeasuredPlan
-from .microbatches import MicrobatchPolicy, split_rows, tensor_tuple
+from .microbatches import MicrobatchPolicy, loss_shares, split_rows, tensor_tuple
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future
 
@@ -164,12 +164,14 @@ class RoundPipe(nn.Module):
 
     def forward_backward(self, *inputs: torch.Tensor, labels: Any = None, loss_fn: Callable | None = None,
                          loss_reduction: str = "mean", grad_scale: float = 1.0,
-                         deferred: bool = False) -> torch.Tensor:
+                         deferred: bool = False, ignore_index: int | None = -100) -> torch.Tensor:
         """Fused pipelined forward + loss + backward over the whole batch; returns the loss.
 
-        The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch: micro-batch
-        losses are weighted by their share of rows (`loss_reduction="mean"`) or summed (`"sum"`). Without `loss_fn`
-        the last layer must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
+        The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch
+        ([Note: micro-batch loss weights]): with `loss_reduction="mean"` each micro-batch's loss is weighted by its
+        share of what a mean over the whole batch counts: for integer `labels`, the labels other than
+        `ignore_index` (None: count rows); otherwise the rows. `"sum"` adds them. Without `loss_fn` the last layer
+        must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
         (complete after `synchronize()`, and always before the next `optimizer.step()` uses them), multiplied by
         `grad_scale`.
 
@@ -186,7 +188,7 @@ class RoundPipe(nn.Module):
         self.counters.count(inputs[0])
         mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
         mb_rows = [x[0].shape[0] for x in mb_inputs]
-        shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]
+        shares = loss_shares(mb_rows, mb_labels, loss_reduction, ignore_index if loss_fn is not None else None)
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
@@ -202,9 +204,11 @@ class RoundPipe(nn.Module):
         self._release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
             losses = [f.get(self._failure).host()[0] for f in state.losses]
-        total = losses[0] * shares[0]
-        for loss, share in zip(losses[1:], shares[1:]):
-            total = total + loss * share
+        # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
+        weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
+        total = weighted[0]
+        for part in weighted[1:]:
+            total = total + part
         if not deferred:
             return total
         self._deferred.awaiting_backward(state.deferred)

@@ -273,9 +273,15 @@ class Worker:
                 state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
                 top = segments[0]
                 if loss.requires_grad:
-                    weighted = loss * state.loss_weights[mb]
-                    segments[0] = (top[0], top[1], (weighted,))
-                    grads = self._backward_layers(job, params, segments, (torch.ones_like(weighted),),
+                    if state.loss_weights[mb] == 0:
+                        # Every label masked: its mean is NaN and its weight 0 ([Note: micro-batch loss weights]);
+                        # the backward goes on from zero output gradients, so the gradients are exactly unchanged.
+                        head = tuple(torch.zeros_like(o) if o.requires_grad else None for o in top[2])
+                    else:
+                        weighted = loss * state.loss_weights[mb]
+                        segments[0] = (top[0], top[1], (weighted,))
+                        head = (torch.ones_like(weighted),)
+                    grads = self._backward_layers(job, params, segments, head,
                                                   commits if j == len(mbs) - 1 else None)
                 else:
                     grads = _input_grads(inputs)
