@@ -32,6 +32,7 @@ from .measured_plan import MeasuredPlan
 from .microbatches import MicrobatchPolicy, loss_shares, split_rows, tensor_tuple
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future
+from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class RoundPipe(nn.Module):
         if len(pipeline) == 0:
             raise ValueError("RoundPipe got an empty nn.Sequential; it needs at least one layer.")
         self.config = config if config is not None else RoundPipeConfig()
-        self.module = module
+        self.module = module  # registered as a submodule; read through the `module` property
         # The layers share their parameters with `module`; kept unregistered so parameters are not listed twice.
         object.__setattr__(self, "layers", pipeline)
         self.devices = [Device(d, i) for i, d in enumerate(self.config.resolved_devices())]
@@ -117,16 +118,26 @@ class RoundPipe(nn.Module):
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
         self._background = _Background(self._dispatch, self._deferred, self._failure)
+        # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
+        self._torn = TornGuard(self._store.buckets, self._failure)
+        self._torn_hook = module.register_state_dict_pre_hook(self._torn)
         self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
 
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module; its parameters are the compute copies. Refused with `TornWeightsError` after a
+        failure that left its layers at different optimizer steps ([Note: torn weights])."""
+        self._torn.check()
+        return self._modules["module"]
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The optimizer copies (host, `optimizer_dtype`) of trainable parameters and the compute copies of frozen
         ones, named as in the wrapped module."""
-        for name, p in self.module.named_parameters(remove_duplicate=remove_duplicate):
+        for name, p in self._modules["module"].named_parameters(remove_duplicate=remove_duplicate):
             bucket_index, slot_index = self._store.bucket_of[id(p)]
             slot = self._store.buckets[bucket_index].slots[slot_index]
             yield prefix + name, slot.optim if slot.optim is not None else p
@@ -288,6 +299,8 @@ class RoundPipe(nn.Module):
                 if self._failure.error is None:
                     self.synchronize()
             finally:
+                if self._failure.error is None:
+                    self._torn_hook.remove()  # nothing can be torn; the user's module outlives the engine
                 self._failure.close()
                 if self._finalizer is not None:
                     self._finalizer()  # stops the threads once and leaves the finalizer registry: nothing keeps us
@@ -332,6 +345,7 @@ class RoundPipe(nn.Module):
             for bucket in self._store.trainable_buckets:
                 bucket.compute.copy_(bucket.optim)
                 bucket.optim_version_seen = bucket.optim._version
+                bucket.steps.compute = bucket.steps.optim
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
@@ -388,6 +402,7 @@ class RoundPipe(nn.Module):
             for bucket in self._store.trainable_buckets:
                 bucket.optim.copy_(bucket.compute)
                 bucket.optim_version_seen = bucket.optim._version
+                bucket.steps.compute = bucket.steps.optim
         return result
 
     def to(self, *args, **kwargs):

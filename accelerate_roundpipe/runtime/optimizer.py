@@ -159,6 +159,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                     finally:
                         self.inner.param_groups = original
                 bucket.optim_version_seen = bucket.optim._version
+                bucket.steps.optim += 1  # [Note: torn weights]
             finally:
                 bucket.grads.end(ticket)
 
@@ -173,6 +174,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 faults.point("optimizer.writeback")
                 with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
                     bucket.compute.copy_(bucket.optim)
+                bucket.steps.compute = bucket.steps.optim
             finally:
                 bucket.reads.end_write(ticket)
 
