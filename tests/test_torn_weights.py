@@ -78,7 +78,7 @@ def test_a_step_torn_by_a_failure_refuses_to_be_read(point, call, held):
     `engine.module` could still be read and saved."""
     engine, module = _two_steps(point, call)
     with pytest.raises(TornWeightsError, match=held):
-        engine.module
+        _ = engine.module
     with pytest.raises(TornWeightsError, match="resume from your last checkpoint"):
         module.state_dict()  # the user's own module: save_pretrained and torch.save(state_dict) go through it
     engine.close()
