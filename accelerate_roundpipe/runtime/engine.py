@@ -35,6 +35,7 @@ from .sync import FailureFlag, Future
 from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
+CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
 
 
 @dataclass
@@ -53,8 +54,11 @@ class _Background:
         self.failure.close()
         self.stop()
 
-    def stop(self, join_timeout_s: float = 10.0) -> None:
-        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts)."""
+    def stop(self, join_timeout_s: float | None = 10.0) -> None:
+        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts). With
+        `join_timeout_s=None` (`close()`) wait until each has ended, however long its current layer or step takes:
+        `close()` then frees the host memory, which a thread still running would use; a warning every
+        `CLOSE_WARNING_S` names the threads still running."""
         threads = []
         for worker in self.dispatch.workers or []:
             worker.stop()
@@ -63,9 +67,21 @@ class _Background:
             if executor is not None:
                 executor.stop()
                 threads.append(executor.thread)
-        for thread in threads:
-            if thread is not threading.current_thread() and thread.ident is not None:
+        threads = [t for t in threads if t is not threading.current_thread() and t.ident is not None]
+        if join_timeout_s is not None:
+            for thread in threads:
                 thread.join(join_timeout_s)
+            return
+        waited = 0.0
+        while True:
+            for thread in threads:
+                thread.join(CLOSE_WARNING_S / max(len(threads), 1))
+            threads = [t for t in threads if t.is_alive()]
+            if not threads:
+                return
+            waited += CLOSE_WARNING_S
+            logger.warning("RoundPipe close() has waited %.0f s for %s to finish the layer or step it is running (its "
+                           "work is cancelled; it stops at its next wait).", waited, ", ".join(t.name for t in threads))
 
 
 class RoundPipe(nn.Module):
@@ -209,6 +225,7 @@ class RoundPipe(nn.Module):
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
         state.profile = self._plan.profile_for_pass(len(self.layers))
+        state.input_dtypes = _floating_dtypes(inputs)
         jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         if state.profile is not None:
             self._plan.measured(state.profile, jobs, num_mb, rows)
@@ -245,6 +262,7 @@ class RoundPipe(nn.Module):
             if keep_for_backward else frozenset()
         state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training,
                           [x[0].shape[0] for x in mb_inputs], saved)
+        state.input_dtypes = _floating_dtypes(inputs)
         self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
             self._release_writebacks()
@@ -301,11 +319,10 @@ class RoundPipe(nn.Module):
             finally:
                 if self._failure.error is None:
                     self._torn_hook.remove()  # nothing can be torn; the user's module outlives the engine
-                self._failure.close()
+                self._failure.close()  # cancels the work still queued
                 if self._finalizer is not None:
-                    self._finalizer()  # stops the threads once and leaves the finalizer registry: nothing keeps us
-                else:
-                    self._background.stop()
+                    self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
+                self._background.stop(join_timeout_s=None)
                 self._store.memory.release()
                 if self.trace is not None:
                     self.trace.save()
@@ -416,6 +433,10 @@ class RoundPipe(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
                            ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
+
+
+def _floating_dtypes(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.dtype, ...]:
+    return tuple({t.dtype for t in tensors if t.is_floating_point()})
 
 
 class _PipelineBackward(torch.autograd.Function):

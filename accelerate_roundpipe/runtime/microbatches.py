@@ -80,6 +80,9 @@ class MicrobatchPolicy:
             if t.dim() == 0 or t.shape[0] != rows:
                 raise ValueError(f"every input must have the batch on dim 0 with the same size; got shapes "
                                  f"{[tuple(x.shape) for x in inputs]}.")
+        if rows < 1:
+            raise ValueError(f"the batch is empty (inputs of shapes {[tuple(x.shape) for x in inputs]}): every pass "
+                             f"needs at least one row; skip empty batches before calling the engine.")
         requested = self.config.num_microbatches
         if requested is not None and rows < requested and strict:
             if not self.allow_short_batches:
@@ -91,8 +94,6 @@ class MicrobatchPolicy:
                                "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
                                rows, requested, rows)
                 self._warned_short_batch = True
-        if rows < 1:
-            raise ValueError("the batch is empty.")
         num_mb = self.count_for(rows)
         return rows, num_mb, split_rows(inputs, num_mb)
 

@@ -102,13 +102,14 @@ class LaggedOptimizer(torch.optim.Optimizer):
         # With a clip the exact step cannot start before the whole backward (the global norm): then the bottom
         # layers go first, in the order the next iteration's forward needs them ([Note: clipping without a drain]).
         order = self._step_order[::-1] if clip is not None and not lagged else self._step_order
-        for bucket in order:
-            ticket = bucket.grads.reserve()
-            self.thread.submit(self._step_job(bucket, ticket, member_groups, clip))
-            if lagged:
-                self._held_writebacks.append(bucket)
-            else:
-                self._submit_writeback(bucket)
+        with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
+            for bucket in order:
+                ticket = bucket.grads.reserve()
+                self.thread.submit(self._step_job(bucket, ticket, member_groups, clip))
+                if lagged:
+                    self._held_writebacks.append(bucket)
+                else:
+                    self._submit_writeback(bucket)
 
     def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
         """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
@@ -119,9 +120,10 @@ class LaggedOptimizer(torch.optim.Optimizer):
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
         step_norm = StepNorm(len(self._step_order), max_norm)
-        for bucket in self._step_order:  # top layers first: the order their gradients become final
-            ticket = bucket.grads.reserve()
-            self.thread.submit(self._norm_job(bucket, ticket, step_norm))
+        with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
+            for bucket in self._step_order:  # top layers first: the order their gradients become final
+                ticket = bucket.grads.reserve()
+                self.thread.submit(self._norm_job(bucket, ticket, step_norm))
         self._clip = step_norm
         dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
         return PendingGradNorm(step_norm, self.failure, dtype)
@@ -183,13 +185,18 @@ class LaggedOptimizer(torch.optim.Optimizer):
     def release_writebacks(self) -> None:
         """Reserve the held write-backs after the reads reserved so far (called by the engine)."""
         held, self._held_writebacks = self._held_writebacks, []
-        for bucket in held:
-            self._submit_writeback(bucket)
+        with self.failure.reserving("a write-back"):  # [Note: interrupted reservations]
+            for bucket in held:
+                self._submit_writeback(bucket)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
         self._drop_pending_passes()
         self._clip = None  # a clip measured gradients that are gone now
+        with self.failure.reserving("zero_grad()"):  # [Note: interrupted reservations]
+            self._reserve_zeroing(set_to_none)
+
+    def _reserve_zeroing(self, set_to_none: bool) -> None:
         for bucket in self._step_order:
             ticket = bucket.grads.reserve()
 

@@ -73,6 +73,22 @@ def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
     return explained
 
 
+def _explain_dtype(error: BaseException, job: TaskJob, store: HostStore) -> None:
+    """A dtype mismatch inside a layer whose weights and the pass's inputs differ in dtype: say which, and what to
+    change (torch's own message, e.g. "mat1 and mat2 must have the same dtype", names neither)."""
+    if not isinstance(error, RuntimeError) or "dtype" not in str(error):
+        return
+    weights = {store.buckets[b].compute.dtype for b in store.buckets_of_layers(job.task.span.layers)}
+    floating = {w for w in weights if w.is_floating_point}
+    inputs = set(job.state.input_dtypes)
+    if not floating or not inputs or inputs <= floating:
+        return
+    names = lambda dtypes: ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
+    error.add_note(f"[RoundPipe] the layers compute in {names(floating)} (param_dtype, env ROUNDPIPE_PARAM_DTYPE) but "
+                   f"the inputs are {names(inputs)}: cast the floating inputs to the model's dtype (e.g. "
+                   f"x.to(torch.{names(floating).split(', ')[0]})), or set param_dtype to the inputs' dtype.")
+
+
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
                  base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
@@ -134,6 +150,7 @@ class Worker:
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     error = _explain_oom(error, job)
+                _explain_dtype(error, job, self.residency.store)
                 where = f"worker {self.device} running task {job.task} of pass {job.state.index}"
                 if self.failure.error is None and not isinstance(error, Aborted):  # Aborted: cancelled, not failed
                     logger.error("[%s] %s failed:\n%s", self.device, job.task,

@@ -1,0 +1,115 @@
+"""The smaller ways the engine API went wrong: an interrupted reservation, `close()` during a slow layer, an empty
+batch, inputs of another dtype than the model's."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime import engine as engine_module
+from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.sync import InterruptedReservationError
+
+
+def _small() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _train(engine: RoundPipe, rows: int = 4) -> torch.Tensor:
+    return engine.forward_backward(torch.randn(rows, 4), labels=torch.randint(0, 3, (rows,)),
+                                   loss_fn=nn.functional.cross_entropy)
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+def test_an_interrupted_reservation_closes_the_engine_instead_of_hanging():
+    """Before: a KeyboardInterrupt between a task's reservation and its submission left a read ticket nobody
+    would end; the next step's write-back waited for it until wait_timeout_s and then blamed slowness."""
+    engine = RoundPipe(_small(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, wait_timeout_s=3))
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    _train(engine)
+
+    def interrupt(point: str) -> None:
+        if point == "dispatch.enqueue":
+            raise KeyboardInterrupt
+
+    with faults.injected(interrupt), pytest.raises(KeyboardInterrupt):
+        _train(engine)
+    start = time.monotonic()
+    with pytest.raises(InterruptedReservationError, match="KeyboardInterrupt interrupted pass 1"):
+        optimizer.step()
+        engine.synchronize()
+    assert time.monotonic() - start < 1.0
+    engine.close()
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(1.5)
+        return grad
+
+
+class SlowInBackward(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def test_close_waits_for_a_thread_in_a_slow_layer(monkeypatch, caplog):
+    """Before: close() gave up on a thread after 10 s and freed the host memory under it."""
+    monkeypatch.setattr(engine_module, "CLOSE_WARNING_S", 0.3)
+    torch.manual_seed(0)
+    engine = RoundPipe(nn.Sequential(nn.Linear(4, 4), SlowInBackward(), nn.Linear(4, 3)),
+                       RoundPipeConfig(devices=["cpu"], num_microbatches=1))
+
+    def fail(point: str) -> None:
+        if point == "commit":
+            raise RuntimeError("injected commit failure")
+
+    with faults.injected(fail):
+        _train(engine)  # the loss comes back before the backward, which now sleeps in SlowInBackward
+        with pytest.raises(RuntimeError, match="injected commit failure"):
+            engine.synchronize()
+    assert any(t.is_alive() for t in _engine_threads())  # the worker is still in the slow backward
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        engine.close()
+    assert not _engine_threads()
+    assert time.monotonic() - start > 0.3 and "close() has waited" in caplog.text
+
+
+def test_an_empty_batch_says_so():
+    """Before: "Set num_microbatches to at most 0"."""
+    engine = RoundPipe(_small(), RoundPipeConfig(devices=["cpu"], num_microbatches=2))
+    with pytest.raises(ValueError, match=r"the batch is empty \(inputs of shapes \[\(0, 4\)\]\)"):
+        _train(engine, rows=0)
+    engine.close()
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_inputs_of_another_dtype_than_the_model_say_what_to_cast(train):
+    """Before: torch's bare "mat1 and mat2 must have the same dtype"."""
+    engine = RoundPipe(_small(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2,
+                                                 param_dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="same dtype") as info:
+        if train:
+            _train(engine)
+        else:
+            with torch.no_grad():
+                engine(torch.randn(4, 4))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "the layers compute in float16" in notes and "the inputs are float32" in notes
+    assert "x.to(torch.float16)" in notes
