@@ -113,3 +113,40 @@ def test_inputs_of_another_dtype_than_the_model_say_what_to_cast(train):
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "the layers compute in float16" in notes and "the inputs are float32" in notes
     assert "x.to(torch.float16)" in notes
+
+
+def test_cpu_workers_leave_the_process_wide_generator_alone():
+    """Before: CPU workers seeded and restored the process-wide generator around each layer, so a seeded draw on
+    another thread meanwhile could come out of a worker's stream (seen in 1 of 199 batches)."""
+    torch.manual_seed(0)
+    width = 256
+    layers = [m for _ in range(4) for m in (nn.Linear(width, width), nn.Dropout(0.5))]
+    engine = RoundPipe(nn.Sequential(*layers, nn.Linear(width, 3)),
+                       RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=4))
+    x, y = torch.randn(64, width), torch.randint(0, 3, (64,))
+    torch.manual_seed(123)
+    expected = torch.rand(64)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for _ in range(15):
+                engine.forward_backward(x, labels=y, loss_fn=nn.functional.cross_entropy)
+            engine.synchronize()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            errors.append(error)
+        finally:
+            done.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    draws = mismatches = 0
+    while not done.is_set():
+        torch.manual_seed(123)
+        mismatches += not torch.equal(torch.rand(64), expected)
+        draws += 1
+    trainer.join()
+    engine.close()
+    assert not errors, errors
+    assert draws > 0 and mismatches == 0, f"{mismatches} of {draws} seeded draws came out of a worker's stream"

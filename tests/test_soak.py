@@ -92,7 +92,7 @@ def test_random_faults_end_in_a_clean_error_a_consistent_model_and_a_resume():
     rng = random.Random(14)
     model = _module()
     shadow = (model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))  # plain PyTorch, in lockstep
-    seed_engine, seed_optimizer = RoundPipe(_module(), RoundPipeConfig(devices=["cpu"])), None
+    seed_engine = RoundPipe(_module(), RoundPipeConfig(devices=["cpu"]))
     checkpoint = {"model": seed_engine.state_dict(), "engine": seed_engine.engine_state(),
                   "optimizer": seed_engine.wrap_optimizer(torch.optim.SGD(seed_engine.parameters(), lr=LR,
                                                                           momentum=MOMENTUM)).state_dict()}
