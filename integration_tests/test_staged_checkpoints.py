@@ -1,5 +1,5 @@
-"""Trainer checkpoints are written under a temporary name and renamed into place once complete ([Note: staged
-checkpoints]): a failure during step 8 leaves no `checkpoint-8/`, so `resume_from_checkpoint=True` takes
+"""Trainer checkpoints are written under a temporary name and renamed into place once complete
+([Note: staged checkpoints]): a failure during step 8 leaves no `checkpoint-8/`, so `resume_from_checkpoint=True` takes
 `checkpoint-4/`; rotation (`save_total_limit`) and best-model tracking come out as the plain Trainer's."""
 
 from __future__ import annotations

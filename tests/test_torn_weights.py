@@ -1,6 +1,6 @@
-"""After a failure during an optimizer step the model is at one step, or refuses to be read ([Note: torn
-weights]): `engine.module`, the user's `module.state_dict()` and the engine's state dict raise `TornWeightsError`
-naming which layers hold which step."""
+"""After a failure during an optimizer step the model is at one step, or refuses to be read
+([Note: torn weights]): `engine.module`, the user's `module.state_dict()` and the engine's state dict raise
+`TornWeightsError` naming which layers hold which step."""
 
 from __future__ import annotations
 
