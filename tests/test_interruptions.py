@@ -27,10 +27,6 @@ def _train(engine: RoundPipe, rows: int = 4) -> torch.Tensor:
                                    loss_fn=nn.functional.cross_entropy)
 
 
-def _engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("roundpipe")]
-
-
 def test_an_interrupted_reservation_closes_the_engine_instead_of_hanging():
     """Before: a KeyboardInterrupt between a task's reservation and its submission left a read ticket nobody
     would end; the next step's write-back waited for it until wait_timeout_s and then blamed slowness."""
@@ -52,6 +48,9 @@ def test_an_interrupted_reservation_closes_the_engine_instead_of_hanging():
     engine.close()
 
 
+SLOW_STARTED, SLOW_ENDED = threading.Event(), threading.Event()
+
+
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -59,7 +58,9 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        SLOW_STARTED.set()
         time.sleep(1.5)
+        SLOW_ENDED.set()
         return grad
 
 
@@ -71,24 +72,22 @@ class SlowInBackward(nn.Module):
 def test_close_waits_for_a_thread_in_a_slow_layer(monkeypatch, caplog):
     """Before: close() gave up on a thread after 10 s and freed the host memory under it."""
     monkeypatch.setattr(engine_module, "CLOSE_WARNING_S", 0.3)
+    SLOW_STARTED.clear()
+    SLOW_ENDED.clear()
     torch.manual_seed(0)
     engine = RoundPipe(nn.Sequential(nn.Linear(4, 4), SlowInBackward(), nn.Linear(4, 3)),
                        RoundPipeConfig(devices=["cpu"], num_microbatches=1))
-
-    def fail(point: str) -> None:
-        if point == "commit":
-            raise RuntimeError("injected commit failure")
-
-    with faults.injected(fail):
-        _train(engine)  # the loss comes back before the backward, which now sleeps in SlowInBackward
-        with pytest.raises(RuntimeError, match="injected commit failure"):
-            engine.synchronize()
-    assert any(t.is_alive() for t in _engine_threads())  # the worker is still in the slow backward
-    start = time.monotonic()
+    _train(engine)  # the loss comes back before the backward, which then sleeps in SlowInBackward
+    assert SLOW_STARTED.wait(10)
+    engine._failure.fail(RuntimeError("a failure elsewhere"), "the test")  # as if another thread had failed
+    with pytest.raises(RuntimeError, match="a failure elsewhere"):
+        engine.synchronize()
+    assert not SLOW_ENDED.is_set()  # the worker is still in the slow backward
+    threads = [t for w in engine._dispatch.workers for t in w.threads]
     with caplog.at_level(logging.WARNING):
         engine.close()
-    assert not _engine_threads()
-    assert time.monotonic() - start > 0.3 and "close() has waited" in caplog.text
+    assert SLOW_ENDED.is_set() and not any(t.is_alive() for t in threads)
+    assert "close() has waited" in caplog.text
 
 
 def test_an_empty_batch_says_so():
