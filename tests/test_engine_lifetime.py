@@ -4,6 +4,7 @@ a failed engine is freed (threads and host store), closed or not."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 import weakref
@@ -67,3 +68,36 @@ def test_a_failed_engine_is_freed(closed):
     gc.collect()
     assert all(r() is None for r in refs)
     assert _engine_thread_count() == 0
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
+def test_two_hundred_engines_created_trained_and_dropped():
+    """Create, train one step and drop (no close(), the step still pending) 200 engines: bounded time, threads and
+    memory flat. Each engine's host store is about 1 MiB, so a leak of even one engine in ten would show."""
+    width = 128
+    threads, rss, refs = [], [], []
+    start = time.monotonic()
+    for index in range(200):
+        torch.manual_seed(index)
+        engine = RoundPipe(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)),
+                           RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2))
+        optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+        engine.forward_backward(torch.randn(4, width), labels=torch.randn(4, width), loss_fn=nn.functional.mse_loss)
+        optimizer.step()
+        refs.append(weakref.ref(engine))
+        del engine, optimizer
+        if index % 50 == 49:
+            gc.collect()
+            threads.append(_engine_thread_count())
+            rss.append(_rss_mib())
+    elapsed = time.monotonic() - start
+    print(f"200 engines: {elapsed:.1f} s, engine threads {threads}, resident MiB {[round(r) for r in rss]}")
+    assert elapsed < 120, f"200 engines took {elapsed:.0f} s"
+    assert threads == [0, 0, 0, 0]
+    assert all(r() is None for r in refs)
+    assert rss[-1] - rss[0] < 40, f"resident memory grew from {rss[0]:.0f} to {rss[-1]:.0f} MiB"

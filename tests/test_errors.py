@@ -131,7 +131,7 @@ def test_stalled_worker_raises_timeout_instead_of_hanging():
 
 def test_stateful_layer_is_rejected():
     engine = RoundPipe(small(nn.BatchNorm1d(4)), RoundPipeConfig(devices=["cpu"]))
-    with pytest.raises(StatefulLayerError, match=r"layer 2 \(BatchNorm1d\) changed its buffers"):
+    with pytest.raises(StatefulLayerError, match=r"layer 2 \(BatchNorm1d\) changed its state in forward"):
         fb(engine)
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Any
 
 import torch
 from accelerate.utils import send_to_device
 from transformers import Trainer
-from transformers.trainer_utils import IntervalStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
@@ -33,6 +34,7 @@ from .accelerator import ONE_PROCESS, RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .convert import engine_of
 from .grad_norm import LateGradNorm
+from .staged_checkpoint import staged
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
 from .trl import refuse_adapter_toggled_reference
 
@@ -76,6 +78,7 @@ class RoundPipeTrainer(Trainer):
         self._late_grad_norm: LateGradNorm | None = None
         # Not `_metrics`: TRL's trainers, which may sit on top of this class, keep their own `_metrics` dict.
         self._roundpipe_metrics: MetricsWindow | None = None
+        self._staging_run_dir: str | None = None  # while a checkpoint is written ([Note: staged checkpoints])
         super().__init__(model, args, *more, **kwargs)
 
     @property
@@ -189,6 +192,46 @@ class RoundPipeTrainer(Trainer):
         return (step_number + 1) % self.state.logging_steps == 0  # the Trainer's own rule (DefaultFlowCallback)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def _get_output_dir(self, trial) -> str:
+        if self._staging_run_dir is not None:
+            return self._staging_run_dir
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, written under a temporary name and renamed into place once complete
+        ([Note: staged checkpoints]). The engine is flushed first: an error of a step in flight surfaces before any
+        directory exists."""
+        engine = self.roundpipe_engine
+        if engine is not None:
+            engine.synchronize()
+        run_dir = super()._get_output_dir(trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with staged(final) as staging:
+            self._staging_run_dir = staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_run_dir = None
+            self._record_best_checkpoint(run_dir, staging, final)
+        if self.args.should_save:  # the rotation the Trainer ran inside the staging directory, redone in the run's
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _record_best_checkpoint(self, run_dir: str, staging: str, final: str) -> None:
+        """Point `best_model_checkpoint` at the run directory (the Trainer looked for it in the staging one), and
+        save the trainer state again with it."""
+        if not self.state.best_global_step:
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+        if best != final and not os.path.isdir(best):
+            return
+        self.state.best_model_checkpoint = best
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        state_file = os.path.join(staging, os.path.basename(final), TRAINER_STATE_NAME)
+        if self.args.should_save and os.path.isfile(state_file):
+            self.state.save_to_json(state_file)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)  # the optimizer's state_dict() flushes the lagged step

@@ -164,11 +164,12 @@ class CausalLMRoundPipe(RoundPipe):
         try:
             super().close()
         finally:
+            model = self._modules["module"]  # not `self.module`: refused when a failure tore the weights
             for name, original in self._originals.items():
                 if original is None:
-                    self.module.__dict__.pop(name, None)
+                    model.__dict__.pop(name, None)
                 else:
-                    self.module.__dict__[name] = original
+                    model.__dict__[name] = original
 
 
 def _trl_head_setting(patched_forward, name: str, default):

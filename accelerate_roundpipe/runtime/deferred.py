@@ -98,9 +98,10 @@ class DeferredPasses:
         ratio = None if scale is None else scale / deferred.expected_scale
         if self.host_ops is None:
             self.host_ops = SerialExecutor(self.failure, "roundpipe-host-ops")
-        for bucket in self.store.trainable_in_backward_order:
-            ticket = bucket.grads.reserve()
-            self.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
+        with self.failure.reserving("a deferred pass's commit"):  # [Note: interrupted reservations]
+            for bucket in self.store.trainable_in_backward_order:
+                ticket = bucket.grads.reserve()
+                self.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
 
     def wait_idle(self) -> None:
         if self.host_ops is not None:

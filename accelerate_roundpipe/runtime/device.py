@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from . import faults
+from .cpu_rng import StreamRandom
 
 # Workers on the same device (every CPU worker, or two workers given the same GPU) share that device's generator;
 # seeding it for a layer and launching the layer must not interleave with another worker doing the same.
@@ -308,10 +309,5 @@ class Device:
                 torch.cuda.manual_seed(seed)  # RNG state is taken when kernels launch: the lock can end here
                 yield
             return
-        with self._rng_lock:
-            saved = torch.get_rng_state()
-            torch.manual_seed(seed)
-            try:
-                yield
-            finally:
-                torch.set_rng_state(saved)
+        with StreamRandom(seed):  # never the process-wide generator ([Note: CPU worker RNG])
+            yield

@@ -10,6 +10,7 @@ from ..config import RoundPipeConfig
 from ..plan.partition import Partition
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.trace import TraceRecorder
+from . import faults
 from .device import Device, Payload
 from .host_store import HostStore
 from .jobs import PassState, TaskJob
@@ -73,6 +74,10 @@ class Dispatcher:
         return {}
 
     def enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
+        with self.failure.reserving(f"pass {state.index}"):  # [Note: interrupted reservations]
+            return self._enqueue(tasks, state, first_inputs)
+
+    def _enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
         self._schedules[state.index] = tasks
         for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
             del self._schedules[old]
@@ -93,6 +98,7 @@ class Dispatcher:
             reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
             grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
                      if task.needs_grad and store.buckets[b].trainable]
+            faults.point("dispatch.enqueue")  # on the caller's thread, between reservation and submission
             following = tasks[index + 1] if index + 1 < len(tasks) else None
             next_worker = following.device_index if following and following.round_index == task.round_index else None
             job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker,

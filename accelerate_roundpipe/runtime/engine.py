@@ -29,11 +29,13 @@ from .dispatch import Dispatcher
 from .host_store import HostStore
 from .jobs import PassState
 from .measured_plan import MeasuredPlan
-from .microbatches import MicrobatchPolicy, split_rows, tensor_tuple
+from .microbatches import MicrobatchPolicy, loss_shares, split_rows, tensor_tuple
 from .optimizer import LaggedOptimizer
 from .sync import FailureFlag, Future
+from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
+CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
 
 
 @dataclass
@@ -52,8 +54,11 @@ class _Background:
         self.failure.close()
         self.stop()
 
-    def stop(self, join_timeout_s: float = 10.0) -> None:
-        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts)."""
+    def stop(self, join_timeout_s: float | None = 10.0) -> None:
+        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts). With
+        `join_timeout_s=None` (`close()`) wait until each has ended, however long its current layer or step takes:
+        `close()` then frees the host memory, which a thread still running would use; a warning every
+        `CLOSE_WARNING_S` names the threads still running."""
         threads = []
         for worker in self.dispatch.workers or []:
             worker.stop()
@@ -62,9 +67,21 @@ class _Background:
             if executor is not None:
                 executor.stop()
                 threads.append(executor.thread)
-        for thread in threads:
-            if thread is not threading.current_thread() and thread.ident is not None:
+        threads = [t for t in threads if t is not threading.current_thread() and t.ident is not None]
+        if join_timeout_s is not None:
+            for thread in threads:
                 thread.join(join_timeout_s)
+            return
+        waited = 0.0
+        while True:
+            for thread in threads:
+                thread.join(CLOSE_WARNING_S / max(len(threads), 1))
+            threads = [t for t in threads if t.is_alive()]
+            if not threads:
+                return
+            waited += CLOSE_WARNING_S
+            logger.warning("RoundPipe close() has waited %.0f s for %s to finish the layer or step it is running (its "
+                           "work is cancelled; it stops at its next wait).", waited, ", ".join(t.name for t in threads))
 
 
 class RoundPipe(nn.Module):
@@ -92,7 +109,7 @@ class RoundPipe(nn.Module):
         if len(pipeline) == 0:
             raise ValueError("RoundPipe got an empty nn.Sequential; it needs at least one layer.")
         self.config = config if config is not None else RoundPipeConfig()
-        self.module = module
+        self.module = module  # registered as a submodule; read through the `module` property
         # The layers share their parameters with `module`; kept unregistered so parameters are not listed twice.
         object.__setattr__(self, "layers", pipeline)
         self.devices = [Device(d, i) for i, d in enumerate(self.config.resolved_devices())]
@@ -119,16 +136,26 @@ class RoundPipe(nn.Module):
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
         self._background = _Background(self._dispatch, self._deferred, self._failure)
+        # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
+        self._torn = TornGuard(self._store.buckets, self._failure)
+        self._torn_hook = module.register_state_dict_pre_hook(self._torn)
         self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ parameters
 
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module; its parameters are the compute copies. Refused with `TornWeightsError` after a
+        failure that left its layers at different optimizer steps ([Note: torn weights])."""
+        self._torn.check()
+        return self._modules["module"]
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The optimizer copies (host, `optimizer_dtype`) of trainable parameters and the compute copies of frozen
         ones, named as in the wrapped module."""
-        for name, p in self.module.named_parameters(remove_duplicate=remove_duplicate):
+        for name, p in self._modules["module"].named_parameters(remove_duplicate=remove_duplicate):
             bucket_index, slot_index = self._store.bucket_of[id(p)]
             slot = self._store.buckets[bucket_index].slots[slot_index]
             yield prefix + name, slot.optim if slot.optim is not None else p
@@ -166,12 +193,14 @@ class RoundPipe(nn.Module):
 
     def forward_backward(self, *inputs: torch.Tensor, labels: Any = None, loss_fn: Callable | None = None,
                          loss_reduction: str = "mean", grad_scale: float = 1.0,
-                         deferred: bool = False) -> torch.Tensor:
+                         deferred: bool = False, ignore_index: int | None = -100) -> torch.Tensor:
         """Fused pipelined forward + loss + backward over the whole batch; returns the loss.
 
-        The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch: micro-batch
-        losses are weighted by their share of rows (`loss_reduction="mean"`) or summed (`"sum"`). Without `loss_fn`
-        the last layer must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
+        The loss and the gradients are those of `loss_fn(model(*inputs), labels)` on the whole batch
+        ([Note: micro-batch loss weights]): with `loss_reduction="mean"` each micro-batch's loss is weighted by its
+        share of what a mean over the whole batch counts: for integer `labels`, the labels other than
+        `ignore_index` (None: count rows); otherwise the rows. `"sum"` adds them. Without `loss_fn` the last layer
+        must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
         (complete after `synchronize()`, and always before the next `optimizer.step()` uses them), multiplied by
         `grad_scale`.
 
@@ -188,7 +217,7 @@ class RoundPipe(nn.Module):
         self.counters.count(inputs[0])
         mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
         mb_rows = [x[0].shape[0] for x in mb_inputs]
-        shares = [r / rows if loss_reduction == "mean" else 1.0 for r in mb_rows]
+        shares = loss_shares(mb_rows, mb_labels, loss_reduction, ignore_index if loss_fn is not None else None)
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
@@ -198,15 +227,18 @@ class RoundPipe(nn.Module):
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
         state.profile = self._plan.profile_for_pass(len(self.layers))
+        state.input_dtypes = _floating_dtypes(inputs)
         jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
         if state.profile is not None:
             self._plan.measured(state.profile, jobs, num_mb, rows)
         self._release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
             losses = [f.get(self._failure).host()[0] for f in state.losses]
-        total = losses[0] * shares[0]
-        for loss, share in zip(losses[1:], shares[1:]):
-            total = total + loss * share
+        # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
+        weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
+        total = weighted[0]
+        for part in weighted[1:]:
+            total = total + part
         if not deferred:
             return total
         self._deferred.awaiting_backward(state.deferred)
@@ -232,6 +264,7 @@ class RoundPipe(nn.Module):
             if keep_for_backward else frozenset()
         state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training,
                           [x[0].shape[0] for x in mb_inputs], saved)
+        state.input_dtypes = _floating_dtypes(inputs)
         self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
         if not keep_for_backward:
             self._release_writebacks()
@@ -286,11 +319,12 @@ class RoundPipe(nn.Module):
                 if self._failure.error is None:
                     self.synchronize()
             finally:
-                self._failure.close()
+                if self._failure.error is None:
+                    self._torn_hook.remove()  # nothing can be torn; the user's module outlives the engine
+                self._failure.close()  # cancels the work still queued
                 if self._finalizer is not None:
-                    self._finalizer()  # stops the threads once and leaves the finalizer registry: nothing keeps us
-                else:
-                    self._background.stop()
+                    self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
+                self._background.stop(join_timeout_s=None)
                 self._store.memory.release()
                 if self.trace is not None:
                     self.trace.save()
@@ -330,6 +364,7 @@ class RoundPipe(nn.Module):
             for bucket in self._store.trainable_buckets:
                 bucket.compute.copy_(bucket.optim)
                 bucket.optim_version_seen = bucket.optim._version
+                bucket.steps.compute = bucket.steps.optim
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
@@ -386,6 +421,7 @@ class RoundPipe(nn.Module):
             for bucket in self._store.trainable_buckets:
                 bucket.optim.copy_(bucket.compute)
                 bucket.optim_version_seen = bucket.optim._version
+                bucket.steps.compute = bucket.steps.optim
         return result
 
     def to(self, *args, **kwargs):
@@ -399,6 +435,10 @@ class RoundPipe(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
                            ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
+
+
+def _floating_dtypes(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.dtype, ...]:
+    return tuple({t.dtype for t in tensors if t.is_floating_point()})
 
 
 class _PipelineBackward(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """Test hook: a callable run at named points of the runtime (to inject delays or errors). Off by default.
 
 Points: "worker.task" (a worker starts a task), "transfer.upload", "transfer.download", "commit" (gradients added to
-the host), "optimizer.step", "optimizer.writeback".
+the host), "optimizer.step", "optimizer.writeback", and on the caller's thread "dispatch.enqueue" (a task's tickets
+reserved, the task not queued yet).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+POINTS = ("worker.task", "transfer.upload", "transfer.download", "commit", "optimizer.step", "optimizer.writeback",
+          "dispatch.enqueue")
 Hook = Callable[[str], None]
 _hook: Hook | None = None
 

@@ -50,6 +50,15 @@ class ParamSlot:
 
 
 @dataclass
+class StepCount:
+    """The optimizer steps applied to a bucket's optimizer copy, and the one its compute copy was last written
+    from ([Note: torn weights]). Kept apart from the bucket so that a guard can hold it without its buffers."""
+
+    optim: int = 0
+    compute: int = 0
+
+
+@dataclass
 class Bucket:
     index: int
     layers: tuple[int, ...]  # layers that use it
@@ -64,6 +73,7 @@ class Bucket:
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
+    steps: StepCount = field(default_factory=lambda: StepCount())  # [Note: torn weights]
     # The version the read tickets hand out lives in `optim`, and `compute` is older: after an exact step, until
     # someone on the host looks ([Note: exact step without write-back]). Set by the writer of that version.
     current_in_optim: bool = False

@@ -32,6 +32,7 @@ class PassState:
     # Saved layer inputs may stay on the device while its allocated memory is below this ([Note: saved inputs]).
     keep_limit_bytes: int = 0
     profile: Any = None  # a LayerProfile while the pass is measured for the planner
+    input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
 
     @property
     def num_microbatches(self) -> int:

@@ -15,7 +15,45 @@ from .host_store import Binding
 
 
 class StatefulLayerError(RuntimeError):
-    pass
+    """A layer changed its own state (a buffer or a tensor attribute) in forward."""
+
+
+class LayerState:
+    """[Note: stateless layers]
+    What a layer's forward may not change: every buffer (by identity and by in-place version) and every tensor held
+    as a plain attribute, in each of its modules. Workers run a layer on their own copies and recompute it, so a
+    change would stay on one device's copy (the user's module never sees it) and the recomputation would see another
+    state than the forward did. In-place changes (BatchNorm's running statistics) bump a buffer's version;
+    `self.count = self.count + 1` swaps the buffer for a new tensor; `self.cache = x` adds a tensor attribute: all
+    three are caught by comparing this snapshot before and after a forward."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self.entries = {}
+        for path, module in modules:
+            for name, buf in module._buffers.items():
+                self.entries[("buffer", path, name)] = (buf, buf._version if buf is not None else 0)
+            for name, value in vars(module).items():
+                if isinstance(value, torch.Tensor):
+                    self.entries[("attribute", path, name)] = (value, value._version)
+
+    def changes(self, after: LayerState) -> list[str]:
+        """What differs, as `buffer 'count' reassigned` / `attribute 'cache' set` phrases."""
+        found = []
+        for key in self.entries.keys() | after.entries.keys():
+            kind, path, name = key
+            where = f"{kind} {'.'.join(p for p in (path, name) if p)!r}"
+            old, new = self.entries.get(key), after.entries.get(key)
+            if old is None:
+                found.append(f"{where} set")
+            elif new is None:
+                found.append(f"{where} deleted")
+            elif old[0] is not new[0]:
+                found.append(f"{where} reassigned")
+            elif old[1] != new[1]:
+                found.append(f"{where} changed in place")
+        return sorted(found)
 
 
 class LayerCopy:
@@ -26,7 +64,7 @@ class LayerCopy:
         self.kind = type(layer).__name__
         modules = dict(self.module.named_modules(remove_duplicate=False))
         self._targets = [(modules[b.module_path], b.attr, b.bucket_index, b.slot_index) for b in bindings]
-        self._buffers = [(name, buf) for name, buf in self.module.named_buffers(remove_duplicate=False)]
+        self._modules = list(self.module.named_modules(remove_duplicate=False))
 
     def bind(self, views: dict[int, list[torch.Tensor]]) -> None:
         """Point every parameter use at the uploaded tensors (`views[bucket][slot]`)."""
@@ -44,14 +82,16 @@ class LayerCopy:
         if self.module.training != training:
             self.module.train(training)
 
-    def buffer_versions(self) -> list[int]:
-        return [buf._version for _, buf in self._buffers]
+    def state(self) -> LayerState:
+        return LayerState(self._modules)
 
-    def check_stateless(self, before: list[int]) -> None:
-        changed = [name for (name, buf), version in zip(self._buffers, before) if buf._version != version]
+    def check_stateless(self, before: LayerState) -> None:
+        """Raise if the forward just run changed the layer's state ([Note: stateless layers])."""
+        changed = before.changes(self.state())
         if changed:
             raise StatefulLayerError(
-                f"layer {self.layer_index} ({self.kind}) changed its buffers {changed} in forward. RoundPipe runs "
-                f"layers on stateless workers and recomputes them, so a layer may not keep state (e.g. BatchNorm "
-                f"running statistics): call .eval() on it, use a stateless variant (LayerNorm, GroupNorm), or set "
-                f"track_running_stats=False.")
+                f"layer {self.layer_index} ({self.kind}) changed its state in forward: {', '.join(changed)}. "
+                f"RoundPipe runs layers on stateless workers and recomputes them, so a layer may not keep state "
+                f"(buffers such as BatchNorm's running statistics, counters, tensors cached as attributes): the "
+                f"change would never reach your module. Call .eval() on it, use a stateless variant (LayerNorm, "
+                f"GroupNorm, track_running_stats=False), or compute the value outside the layer and pass it in.")

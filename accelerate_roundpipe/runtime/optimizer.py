@@ -101,18 +101,20 @@ class LaggedOptimizer(torch.optim.Optimizer):
         clip, self._clip = self._clip, None
         lagged = self.async_step and self.steps_taken >= self.exact_steps_first
         self.steps_taken += 1
-        if not lagged:
-            entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write()) for bucket in self._step_order]
-            self.thread.submit(self._exact_step_job(entries, member_groups, clip))
-            self._stale_compute.update((bucket.index, bucket) for bucket in self._step_order)
-            return
-        # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
-        # entitled to back into the compute copies ([Note: exact step without write-back]).
-        self.write_back_stale()
-        for bucket in self._step_order:
-            ticket = bucket.grads.reserve()
-            self.thread.submit(self._lagged_step_job(bucket, ticket, member_groups, clip))
-            self._held_writebacks.append(bucket)
+        with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
+            if not lagged:
+                entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write())
+                           for bucket in self._step_order]
+                self.thread.submit(self._exact_step_job(entries, member_groups, clip))
+                self._stale_compute.update((bucket.index, bucket) for bucket in self._step_order)
+                return
+            # A lagged step writes the optimizer copies outside the read tickets: first move the version readers
+            # are entitled to back into the compute copies ([Note: exact step without write-back]).
+            self.write_back_stale()
+            for bucket in self._step_order:
+                ticket = bucket.grads.reserve()
+                self.thread.submit(self._lagged_step_job(bucket, ticket, member_groups, clip))
+                self._held_writebacks.append(bucket)
 
     def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
         """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
@@ -123,9 +125,10 @@ class LaggedOptimizer(torch.optim.Optimizer):
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
         step_norm = StepNorm(len(self._step_order), max_norm)
-        for bucket in self._step_order:  # top layers first: the order their gradients become final
-            ticket = bucket.grads.reserve()
-            self.thread.submit(self._norm_job(bucket, ticket, step_norm))
+        with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
+            for bucket in self._step_order:  # top layers first: the order their gradients become final
+                ticket = bucket.grads.reserve()
+                self.thread.submit(self._norm_job(bucket, ticket, step_norm))
         self._clip = step_norm
         dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
         return PendingGradNorm(step_norm, self.failure, dtype)
@@ -171,6 +174,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                         del self.inner.grad_scale
                         bucket.record_scale(in_kernel)
             bucket.optim_version_seen = bucket.optim._version
+            bucket.steps.optim += 1  # [Note: torn weights]
         finally:
             bucket.grads.end(ticket)
 
@@ -181,6 +185,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
             faults.point("optimizer.writeback")
             with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
                 bucket.compute.copy_(bucket.optim)
+            bucket.steps.compute = bucket.steps.optim
             bucket.current_in_optim = False
         finally:
             bucket.reads.end_write(ticket)
@@ -256,13 +261,18 @@ class LaggedOptimizer(torch.optim.Optimizer):
     def release_writebacks(self) -> None:
         """Reserve the held write-backs after the reads reserved so far (called by the engine)."""
         held, self._held_writebacks = self._held_writebacks, []
-        for bucket in held:
-            self._submit_writeback(bucket)
+        with self.failure.reserving("a write-back"):  # [Note: interrupted reservations]
+            for bucket in held:
+                self._submit_writeback(bucket)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
         self._drop_pending_passes()
         self._clip = None  # a clip measured gradients that are gone now
+        with self.failure.reserving("zero_grad()"):  # [Note: interrupted reservations]
+            self._reserve_zeroing(set_to_none)
+
+    def _reserve_zeroing(self, set_to_none: bool) -> None:
         for bucket in self._step_order:
             ticket = bucket.grads.reserve()
 

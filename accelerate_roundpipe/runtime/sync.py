@@ -18,11 +18,12 @@ unfinished piece of work can always proceed: no deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 POLL_S = 0.05
@@ -42,6 +43,10 @@ def mark_engine_thread() -> None:
 
 class ReportedError(RuntimeError):
     """What a `FailureFlag` keeps of an error once the caller has seen it: its type and message."""
+
+
+class InterruptedReservationError(EngineClosedError):
+    """The caller was interrupted (e.g. Ctrl-C) while it reserved tickets of [Note: per-layer events]."""
 
 
 class Aborted(Exception):
@@ -95,6 +100,26 @@ class FailureFlag:
                 f"the RoundPipe engine stopped after an error in {self.where}: {type(self.error).__name__}: "
                 f"{self.error}. Build a new engine to continue.") from self.error
         raise EngineClosedError("the RoundPipe engine is closed; build a new one to continue.")
+
+    @contextlib.contextmanager
+    def reserving(self, what: str) -> Iterator[None]:
+        """Around a caller's reservation of tickets and the submission of the work that ends them.
+
+        [Note: interrupted reservations]
+        A ticket reserved is a promise that some work will end it, and everything reserved after it waits for that.
+        An exception between the reservation and the submission (a KeyboardInterrupt the caller catches, or a
+        fault) breaks the promise: the engine's next wait on that buffer would sit until `wait_timeout_s` (600 s)
+        and then blame slowness. So any exception escaping a reservation fails the engine at once: the caller sees
+        its own exception now, and its next engine call a clear error instead of a hang."""
+        try:
+            yield
+        except BaseException as error:
+            if self.error is None and not self.closed:
+                self.fail(InterruptedReservationError(
+                    f"{type(error).__name__} interrupted {what} while it was queueing work, so some of that work was "
+                    f"never queued and what waits for it could never finish. The engine is closed: build a new one "
+                    f"(resume from your last checkpoint)."), f"{what} (interrupted)")
+            raise
 
     def wait(self, cond: threading.Condition, ready: Callable[[], bool], what: str, poll_s: float = POLL_S) -> None:
         """Wait on `cond` (held by the caller) until `ready()`, re-checking at least every `poll_s`; raise on

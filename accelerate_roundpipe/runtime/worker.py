@@ -73,6 +73,22 @@ def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
     return explained
 
 
+def _explain_dtype(error: BaseException, job: TaskJob, store: HostStore) -> None:
+    """A dtype mismatch inside a layer whose weights and the pass's inputs differ in dtype: say which, and what to
+    change (torch's own message, e.g. "mat1 and mat2 must have the same dtype", names neither)."""
+    if not isinstance(error, RuntimeError) or "dtype" not in str(error):
+        return
+    weights = {store.buckets[b].compute.dtype for b in store.buckets_of_layers(job.task.span.layers)}
+    floating = {w for w in weights if w.is_floating_point}
+    inputs = set(job.state.input_dtypes)
+    if not floating or not inputs or inputs <= floating:
+        return
+    names = lambda dtypes: ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
+    error.add_note(f"[RoundPipe] the layers compute in {names(floating)} (param_dtype, env ROUNDPIPE_PARAM_DTYPE) but "
+                   f"the inputs are {names(inputs)}: cast the floating inputs to the model's dtype (e.g. "
+                   f"x.to(torch.{names(floating).split(', ')[0]})), or set param_dtype to the inputs' dtype.")
+
+
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
                  base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
@@ -134,6 +150,7 @@ class Worker:
             except BaseException as error:  # noqa: BLE001 - reported to the caller
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     error = _explain_oom(error, job)
+                _explain_dtype(error, job, self.residency.store)
                 where = f"worker {self.device} running task {job.task} of pass {job.state.index}"
                 if self.failure.error is None and not isinstance(error, Aborted):  # Aborted: cancelled, not failed
                     logger.error("[%s] %s failed:\n%s", self.device, job.task,
@@ -158,14 +175,14 @@ class Worker:
         self.residency.await_layer(params, layer_index)
         copy = self.residency.copy(layer_index)
         copy.set_training(job.state.training)
-        versions = copy.buffer_versions()
+        before = copy.state()  # [Note: stateless layers]
         profile = job.state.profile
         measure = _NO_PROFILE if profile is None else profile.measure(
             LayerRun.FORWARD_WITH_GRAPH if torch.is_grad_enabled() else LayerRun.FORWARD, layer_index, self.device,
             args)
         with measure, self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
             out = copy.module(*args)
-        copy.check_stateless(versions)
+        copy.check_stateless(before)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
 
     def _send_next(self, job: TaskJob, tensors: tuple) -> Payload:
@@ -273,9 +290,15 @@ class Worker:
                 state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
                 top = segments[0]
                 if loss.requires_grad:
-                    weighted = loss * state.loss_weights[mb]
-                    segments[0] = (top[0], top[1], (weighted,))
-                    grads = self._backward_layers(job, params, segments, (torch.ones_like(weighted),),
+                    if state.loss_weights[mb] == 0:
+                        # Every label masked: its mean is NaN and its weight 0 ([Note: micro-batch loss weights]);
+                        # the backward goes on from zero output gradients, so the gradients are exactly unchanged.
+                        head = tuple(torch.zeros_like(o) if o.requires_grad else None for o in top[2])
+                    else:
+                        weighted = loss * state.loss_weights[mb]
+                        segments[0] = (top[0], top[1], (weighted,))
+                        head = (torch.ones_like(weighted),)
+                    grads = self._backward_layers(job, params, segments, head,
                                                   commits if j == len(mbs) - 1 else None)
                 else:
                     grads = _input_grads(inputs)

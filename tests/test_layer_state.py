@@ -1,0 +1,102 @@
+"""A layer may not change its own state in forward ([Note: stateless layers]): buffers changed in place, buffers
+reassigned and tensors set as attributes all raise `StatefulLayerError`, naming the layer and what changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime.layer_copy import StatefulLayerError
+
+
+class CountsCalls(nn.Module):
+    """Reassigns its buffer: the change lands on a new tensor (before: never detected)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return x
+
+
+class CachesInput(nn.Module):
+    """Keeps a tensor as a plain attribute (before: never detected)."""
+
+    def forward(self, x):
+        self.cache = x.detach()
+        return x
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        self.scale = self.scale * 0.5
+        return x * self.scale
+
+
+class Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Harmless(nn.Module):
+    """Reads its buffer and an attribute set in __init__: stateless."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.full((4,), 0.1))
+        self.factor = torch.tensor(2.0)
+
+    def forward(self, x):
+        return x * self.factor + self.offset
+
+
+def _engine(layer: nn.Module, devices=("cpu", "cpu")) -> RoundPipe:
+    torch.manual_seed(0)
+    return RoundPipe(nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(4, 3)),
+                     RoundPipeConfig(devices=list(devices), num_microbatches=2))
+
+
+def _train(engine: RoundPipe) -> torch.Tensor:
+    return engine.forward_backward(torch.randn(4, 4), labels=torch.randint(0, 3, (4,)),
+                                   loss_fn=nn.functional.cross_entropy)
+
+
+@pytest.mark.parametrize("layer, what", [
+    (CountsCalls(), r"buffer 'count' reassigned"),
+    (CachesInput(), r"attribute 'cache' set"),
+    (Nested(), r"buffer 'inner\.scale' reassigned"),
+    (nn.BatchNorm1d(4), r"buffer 'num_batches_tracked' changed in place"),
+])
+def test_layer_state_changed_in_forward_is_refused(layer, what):
+    engine = _engine(layer)
+    with pytest.raises(StatefulLayerError, match=rf"layer 1 \({type(layer).__name__}\) changed its state in forward: "
+                                                 rf".*{what}"):
+        _train(engine)
+    engine.close()
+
+
+def test_forward_only_passes_check_too():
+    engine = _engine(CountsCalls())
+    with torch.no_grad(), pytest.raises(StatefulLayerError, match="buffer 'count' reassigned"):
+        engine(torch.randn(4, 4))
+    engine.close()
+
+
+def test_reading_buffers_and_attributes_is_fine():
+    engine = _engine(Harmless())
+    loss = _train(engine)
+    engine.synchronize()
+    assert torch.isfinite(loss)
+    engine.close()
