@@ -69,15 +69,11 @@ def _two_steps(point: str, call: int):
     return engine, module
 
 
-@pytest.mark.parametrize("point, call, held", [
-    ("optimizer.step", 7, "layers 0, 2 hold step 1; layers 4, 6 hold step 2"),  # the third bucket's step
-    ("optimizer.writeback", 6, "layers 0, 2, 4 hold step 1; layer 6 holds step 2"),  # the second write-back
-])
-def test_a_step_torn_by_a_failure_refuses_to_be_read(point, call, held):
-    """Before: the layers held different steps (sync mode, steps and write-backs go top layer first) and
-    `engine.module` could still be read and saved."""
-    engine, module = _two_steps(point, call)
-    with pytest.raises(TornWeightsError, match=held):
+def test_a_step_torn_by_a_failure_refuses_to_be_read():
+    """Before: the layers held different steps and `engine.module` could still be read and saved. (Which layers
+    hold which step depends on the order the exact step takes the buckets in: [Note: exact step order].)"""
+    engine, module = _two_steps("optimizer.step", 7)  # the third bucket's step of step 2
+    with pytest.raises(TornWeightsError, match=r"hold step 1; .* step 2"):
         _ = engine.module
     with pytest.raises(TornWeightsError, match="resume from your last checkpoint"):
         module.state_dict()  # the user's own module: save_pretrained and torch.save(state_dict) go through it
@@ -86,11 +82,15 @@ def test_a_step_torn_by_a_failure_refuses_to_be_read(point, call, held):
         module.state_dict()
 
 
-@pytest.mark.parametrize("point, call", [("optimizer.step", 5), ("optimizer.writeback", 5)])
-def test_a_failure_that_leaves_one_step_keeps_the_model_readable(point, call):
-    """A fault before the first bucket of step 2 changed anything: the model is the model after step 1, exactly."""
+@pytest.mark.parametrize("point, call, steps", [
+    ("optimizer.step", 5, 1),  # before the first bucket of step 2 changed anything
+    ("optimizer.writeback", 2, 2),  # while synchronize() wrote step 2 into the compute copies
+])
+def test_a_failure_that_leaves_one_step_keeps_the_model_readable(point, call, steps):
+    """Every layer reached the same step: the model is the model after that step, exactly (the exact step's
+    optimizer copies are written into the module when it is read: [Note: exact step without write-back])."""
     engine, module = _two_steps(point, call)
-    expected = _reference_after(_model(), 1)
+    expected = _reference_after(_model(), steps)
     for name, value in engine.module.state_dict().items():
         assert_close(value, expected[name], 1e-12, name)
     engine.close()

@@ -187,6 +187,7 @@ class RoundPipe(nn.Module):
                                                      self.config.resolved_async_optimizer,
                                                      deferred_passes=self._deferred, trace=self.trace,
                                                      exact_steps_first=self.config.async_warmup_steps or 0)
+        self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
@@ -221,7 +222,7 @@ class RoundPipe(nn.Module):
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
-        state = PassState(self._new_pass_index(), Mode.TRAIN, self.module.training, mb_rows,
+        state = PassState(self._new_pass_index(), Mode.TRAIN, self._modules["module"].training, mb_rows,
                           self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
@@ -262,7 +263,7 @@ class RoundPipe(nn.Module):
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
-        state = PassState(self._new_pass_index(), Mode.FORWARD, self.module.training,
+        state = PassState(self._new_pass_index(), Mode.FORWARD, self._modules["module"].training,
                           [x[0].shape[0] for x in mb_inputs], saved)
         state.input_dtypes = _floating_dtypes(inputs)
         self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)

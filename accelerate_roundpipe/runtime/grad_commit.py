@@ -90,6 +90,10 @@ class GradCommits:
                     grad = route_commit(job.state.deferred, bucket, grad)
                 if grad is not None:
                     spare = bucket.commit(grad, square)
+            except BaseException as error:
+                # Flagged before the turn ends: the step waiting for this turn must not take it as committed.
+                self.failure.fail(error, f"{threading.current_thread().name} (commit of {bucket})")
+                raise
             finally:
                 bucket.grads.end(ticket)
             self.store.grad_pool.give(spare)

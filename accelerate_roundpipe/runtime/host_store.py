@@ -56,6 +56,14 @@ class StepCount:
 
     optim: int = 0
     compute: int = 0
+    # The version the read tickets hand out lives in the optimizer copy and the compute copy is older: after an
+    # exact step, until someone on the host looks ([Note: exact step without write-back]). Set by its writer.
+    current_in_optim: bool = False
+
+    @property
+    def current(self) -> int:
+        """The step of the version readers get (where it lives: `current_in_optim`)."""
+        return self.optim if self.current_in_optim else self.compute
 
 
 @dataclass
@@ -74,9 +82,15 @@ class Bucket:
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
     steps: StepCount = field(default_factory=lambda: StepCount())  # [Note: torn weights]
-    # The version the read tickets hand out lives in `optim`, and `compute` is older: after an exact step, until
-    # someone on the host looks ([Note: exact step without write-back]). Set by the writer of that version.
-    current_in_optim: bool = False
+
+    @property
+    def current_in_optim(self) -> bool:
+        """The current version lives in `optim`; `compute` is older ([Note: exact step without write-back])."""
+        return self.steps.current_in_optim
+
+    @current_in_optim.setter
+    def current_in_optim(self, value: bool) -> None:
+        self.steps.current_in_optim = value
 
     def current(self) -> torch.Tensor:
         """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket)."""

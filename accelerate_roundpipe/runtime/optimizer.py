@@ -13,6 +13,7 @@ shows the newest weights.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +149,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`'s coefficient)."""
         bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
         try:
+            self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
             faults.point("optimizer.step")
             ids = {id(s.optim) for s in bucket.slots}
             groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
@@ -226,6 +228,25 @@ class LaggedOptimizer(torch.optim.Optimizer):
         return (isinstance(self.inner, _FUSED_CPU) and bucket.grad.dtype == torch.float32
                 and all(g.get("fused") for g in groups))
 
+    def write_back_after_failure(self, timeout_s: float = 10.0) -> None:
+        """After a failure: once the optimizer thread has no job left (they are skipped or aborted at once), write
+        the exact steps' optimizer copies into the compute copies, so a failed engine's module shows the step its
+        layers all reached ([Note: torn weights], [Note: exact step without write-back])."""
+        from .torn import TornWeightsError
+
+        deadline = time.monotonic() + timeout_s
+        while not self.thread.idle:
+            if time.monotonic() > deadline:
+                raise TornWeightsError("the RoundPipe engine failed and its optimizer thread did not stop within "
+                                       f"{timeout_s:g} s, so its newest weights cannot be written into the model.")
+            time.sleep(0.01)
+        with torch.no_grad():
+            for bucket in self.store.trainable_buckets:
+                if bucket.current_in_optim:
+                    bucket.compute.copy_(bucket.optim)
+                    bucket.steps.compute = bucket.steps.optim
+                    bucket.current_in_optim = False
+
     def write_back_stale(self) -> None:
         """Queue the write-backs of the exact steps not written back yet ([Note: exact step without write-back])."""
         stale, self._stale_compute = self._stale_compute, {}
@@ -246,6 +267,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         def step_as_gradients_land() -> None:
             pending = list(entries)
             while pending:
+                self.failure.check()  # one job for every bucket: stop at a failure as the job queue would
                 ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], self.failure,
                                           f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
                 bucket, grad_ticket, write_ticket = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))

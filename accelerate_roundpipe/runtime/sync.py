@@ -292,6 +292,11 @@ class SerialExecutor:
     def stop(self) -> None:
         self._queue.put(None)
 
+    @property
+    def idle(self) -> bool:
+        """No job queued or running."""
+        return self._pending == 0
+
     def wait_idle(self) -> None:
         with self._cond:
             self.failure.wait(self._cond, lambda: self._pending == 0, f"{self.thread.name} to finish")

@@ -38,10 +38,11 @@ def _layer_ranges(layers: list[int]) -> str:
 
 
 def steps_by_layer(counts: Iterable[tuple[tuple[int, ...], StepCount]]) -> dict[int, list[int]]:
-    """compute step -> the layers whose compute copies hold it."""
+    """step -> the layers whose current version holds it (the compute copy, or the optimizer copy after an exact
+    step not yet written back)."""
     found: dict[int, list[int]] = {}
     for layers, count in counts:
-        found.setdefault(count.compute, []).extend(layers)
+        found.setdefault(count.current, []).extend(layers)
     return found
 
 
@@ -53,12 +54,17 @@ class TornGuard:
     def __init__(self, buckets: list[Bucket], failure: FailureFlag) -> None:
         self.counts = [(b.layers, b.steps) for b in buckets if b.trainable]
         self.failure = failure
+        # Writes the exact steps' optimizer copies into the compute copies once the optimizer thread is still (a
+        # `weakref.WeakMethod` of the engine's optimizer, set when it is wrapped).
+        self.write_back = None
 
     def check(self) -> None:
         if self.failure.error is None:
             return
         steps = steps_by_layer(self.counts)
         if len(steps) <= 1:
+            if any(count.current_in_optim for _, count in self.counts):
+                self._write_back_current()
             return
         held = "; ".join(f"{'layer' if len(set(layers)) == 1 else 'layers'} {_layer_ranges(layers)} "
                          f"{'holds' if len(set(layers)) == 1 else 'hold'} step {step}"
@@ -67,6 +73,16 @@ class TornGuard:
             f"the RoundPipe engine failed ({self.failure.where}: {self.failure.error}) while an optimizer step was "
             f"being applied, so the model's weights mix steps: {held}. They are not saved or read as a model: "
             f"resume from your last checkpoint (Trainer: resume_from_checkpoint=True) with a new engine.")
+
+    def _write_back_current(self) -> None:
+        """Every layer is at one step, held by the optimizer copies of an exact step never written back: write it
+        into the compute copies, which the reader is about to see ([Note: exact step without write-back])."""
+        write_back = self.write_back() if self.write_back is not None else None
+        if write_back is None:
+            raise TornWeightsError(
+                f"the RoundPipe engine failed ({self.failure.where}: {self.failure.error}) before its newest weights "
+                f"were written into the model, and its optimizer is gone. Resume from your last checkpoint.")
+        write_back()
 
     def __call__(self, module, prefix: str = "", keep_vars: bool = False) -> None:  # a state-dict pre-hook
         self.check()
