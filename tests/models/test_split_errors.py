@@ -34,10 +34,11 @@ def test_model_without_lm_head():
     assert "lm_head" in _split_error(model)
 
 
-def test_unknown_parameterised_parts():
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
-    message = _split_error(transformers.GPT2LMHeadModel(config))
-    assert "wpe" in message  # learned position embeddings: the split cannot tell where they are used
+def test_parameterised_part_the_forward_never_calls():
+    model = build_model("llama")
+    model.model.value_probe = nn.Linear(4, 4)  # held by the inner model, never called by its forward
+    message = _split_error(model)
+    assert "value_probe" in message and "does not call" in message
 
 
 def test_missing_decoder_layers():
