@@ -16,7 +16,7 @@ from .layers import DecoderLayer, EmbeddingLayer
 from .parts import DecoderParts, find_decoder_parts
 from .registry import FamilySpec, family_for
 from .router_aux import install_router_hooks
-from .shell import UnusedPart, decoder_stubs, make_shell
+from .shell import PLAIN_ATTRIBUTE_TYPES, UnusedPart, decoder_stubs, make_shell
 from .stand_ins import ShapeOnlyPart
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,10 @@ def _causal_lm_shell(parts: DecoderParts) -> nn.Module:
     `head.py`). Wrappers between the causal LM and the inner model (OPT's `model` around `model.decoder`) become
     shells too, each holding only the next one on the path."""
     final = FinalNorm({name: parts.inner._modules[name] for name in parts.after})
+    # The causal LM may read plain attributes of its inner model (Falcon-H1's `lm_head_multiplier`).
+    for key, value in vars(parts.inner).items():
+        if isinstance(value, PLAIN_ATTRIBUTE_TYPES) and not key.startswith("_") and not hasattr(final, key):
+            final.__dict__[key] = value
     modules = [parts.causal_lm]
     for name in parts.inner_path[:-1]:
         modules.append(modules[-1]._modules[name])

@@ -77,13 +77,18 @@ class _RecordingPart(ShapeOnlyPart):
 
 
 class _RecordingStub(_LayerStub):
-    def __init__(self, layer_index: int, layer: nn.Module, calls: list[str]):
+    """A stub that records its call and returns the hidden state as is (`unsqueezed=False`: models that keep the
+    layer's output as the hidden state) or with a leading axis of 1 (`unsqueezed=True`: models that take `out[0]`)."""
+
+    def __init__(self, layer_index: int, layer: nn.Module, calls: list[str], unsqueezed: bool):
         super().__init__(layer_index, layer)
         self.calls = calls
+        self.unsqueezed = unsqueezed
 
     def __call__(self, *args, **kwargs):
         self.calls.append(f"layer {self.stub_layer_index}")
-        return super().__call__(*args, **kwargs)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return hidden.unsqueeze(0) if self.unsqueezed else hidden
 
 
 class ProbeFailed(RuntimeError):
@@ -94,12 +99,28 @@ def probe_part_order(inner: nn.Module, layers_name: str, part_names: list[str]) 
     """The calls the inner model's forward makes, in order: each of `part_names` (its parameterised children) as
     its name, each decoder layer as "layer i" (see [Note: parts around the decoder layers]).
 
-    The forward runs on a shell: stub decoder layers and meta stand-ins for the parts, so no weight is read. An
-    error after the first decoder layer ends the record there (the stubs' placeholder outputs may not suit the code
-    after the layers); an error before it raises `ProbeFailed`.
+    The forward runs on a shell: stub decoder layers and meta stand-ins for the parts, so no weight is read. It runs
+    with both kinds of stub output (`_RecordingStub`) and keeps the run that raised nothing, else the longest record
+    (an error after the layers ends a record there); an error before the first decoder layer raises `ProbeFailed`.
     """
+    records = []
+    for unsqueezed in (False, True):
+        calls, error = _probe_once(inner, layers_name, part_names, unsqueezed)
+        if error is None:
+            return calls
+        records.append((calls, error))
+    calls, error = max(records, key=lambda record: len(record[0]))
+    if not any(call.startswith("layer ") for call in calls):
+        raise ProbeFailed(f"{type(error).__name__}: {error}") from error
+    return calls
+
+
+def _probe_once(
+    inner: nn.Module, layers_name: str, part_names: list[str], unsqueezed: bool
+) -> tuple[list[str], Exception | None]:
     calls: list[str] = []
-    stubs = [_RecordingStub(index, layer, calls) for index, layer in enumerate(inner._modules[layers_name])]
+    layers = inner._modules[layers_name]
+    stubs = [_RecordingStub(index, layer, calls, unsqueezed) for index, layer in enumerate(layers)]
     plain: dict[str, object] = {layers_name: stubs}
     plain.update({name: _RecordingPart(name, inner._modules[name], calls) for name in part_names})
     children = {
@@ -111,7 +132,6 @@ def probe_part_order(inner: nn.Module, layers_name: str, part_names: list[str]) 
     with torch.no_grad():
         try:
             shell(input_ids=torch.zeros(1, 2, dtype=torch.int64), use_cache=False)
-        except Exception as error:
-            if not any(call.startswith("layer ") for call in calls):
-                raise ProbeFailed(f"{type(error).__name__}: {error}") from error
-    return calls
+        except Exception as error:  # kept: the caller decides whether the record is still usable
+            return calls, error
+    return calls, None

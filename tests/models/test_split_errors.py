@@ -56,3 +56,11 @@ def test_router_aux_loss_of_an_unregistered_family():
         register_family(saved)
     assert "output_router_logits = False" in message and "register_family" in message
     assert _FAMILIES["qwen3_moe"] == FamilySpec(name="qwen3_moe", switch_router_aux_loss=True)
+
+
+def test_a_problem_ending_in_a_full_stop_keeps_one():
+    """The integrations append their advice ("... use the stock Accelerator or Trainer.") to the problem."""
+    from accelerate_roundpipe.integrations.convert import HOW_TO_TURN_OFF
+
+    message = str(UnsupportedModelError(nn.Linear(1, 1), f"no lm_head. {HOW_TO_TURN_OFF}"))
+    assert ".." not in message and "Accelerator or Trainer. " in message
