@@ -8,9 +8,8 @@ import copy
 import pathlib
 import sys
 
-import pytest
-
 import decoder_catalog
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CANDIDATES = decoder_catalog.candidates()
@@ -36,6 +35,7 @@ def test_named_families_on_the_engine(model_type):
     import torch
 
     from accelerate_roundpipe import RoundPipeConfig, wrap_model
+
     from split_helpers import make_batch
 
     model = decoder_catalog.tiny_model(model_type)
