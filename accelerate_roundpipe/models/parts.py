@@ -136,14 +136,13 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def _decoder_layers_name(inner: nn.Module) -> str | None:
-    """The ModuleList of `config.num_hidden_layers` modules; else the inner model's only ModuleList (the decoders
-    of Bart-style models count theirs in `config.decoder_layers`)."""
-    num_layers = getattr(inner.config, "num_hidden_layers", None)
-    lists = [name for name, child in inner.named_children() if isinstance(child, nn.ModuleList) and len(child)]
-    candidates = [name for name in lists if len(inner._modules[name]) == num_layers]
-    if len(candidates) == 1:
-        return candidates[0]
-    return lists[0] if len(lists) == 1 and not candidates else None
+    """The ModuleList of `config.num_hidden_layers` modules (`config.decoder_layers` in the decoders of Bart-style
+    models, whose `num_hidden_layers` counts the encoder's)."""
+    counts = {getattr(inner.config, "num_hidden_layers", None), getattr(inner.config, "decoder_layers", None)} - {None}
+    candidates = [
+        name for name, child in inner.named_children() if isinstance(child, nn.ModuleList) and len(child) in counts
+    ]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def _parts_around_layers(

@@ -66,6 +66,9 @@ OVERRIDES: dict[str, dict] = {
 }
 # The families issue 15 names, also run through the engine (two CPU workers, two micro-batches).
 ENGINE_CHECKED = ("gpt2", "opt", "gpt_neox", "falcon", "bloom", "starcoder2", "cohere", "granite", "gptj", "phi")
+# Their norms compute in float32 even in a float64 model (as Gemma's do), so with several micro-batches the norm
+# weights' gradients (sums over tokens grouped by micro-batch) agree to float32 precision only.
+FLOAT32_NORMS = {"cohere"}
 # Larger than this (a config `SHRINK` cannot make small, e.g. a vision tower's) is not built with weights.
 MAX_PARAMETERS = 2_000_000
 
@@ -166,7 +169,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: 
     assert error <= rtol, f"{what}: relative error {error.item():.3e} > {rtol:g}"
 
 
-def assert_same_gradients(named_parameters, reference, rtol: float = 1e-10) -> None:
+def assert_same_gradients(named_parameters, reference, rtol: float = 1e-10, float32_norms: bool = False) -> None:
     """Every parameter's gradient equals HF's. Each is compared at the scale of the largest gradient of the model
     when its own is far smaller: some are zero but for rounding (attention key biases, by softmax invariance)."""
     expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
@@ -174,7 +177,8 @@ def assert_same_gradients(named_parameters, reference, rtol: float = 1e-10) -> N
     assert actual.keys() == expected.keys(), f"gradients on different parameters: {actual.keys() ^ expected.keys()}"
     largest = max(grad.abs().max() for grad in expected.values())
     for name, grad in expected.items():
-        assert_close(actual[name], grad, f"grad of {name}", rtol, scale=max(grad.abs().max(), 1e-6 * largest))
+        tolerance = 1e-6 if float32_norms and "norm" in name.rsplit(".", 2)[-2] else rtol
+        assert_close(actual[name], grad, f"grad of {name}", tolerance, scale=max(grad.abs().max(), 1e-6 * largest))
 
 
 # From `python scripts/models_table.py --survey` (this transformers); entries not yet listed are still tested.
@@ -187,5 +191,5 @@ EXPECTED: dict[str, str] = {
     "axk1": "unchecked: the tiny config leaves parts full size (a sub-model's config)",
     "axk2": "unchecked: the tiny config leaves parts full size (a sub-model's config)",
     "bailing_hybrid": "supported",
-    "bamba": "refused: BambaModel has parameterised parts its forward does not call on token ids (final_layernorm); the split cannot tell where they are used",
+    "bamba": "refused: BambaModel has parameterised parts its forward does not call on token ids (final_layernorm)",
 }
