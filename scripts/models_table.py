@@ -31,8 +31,16 @@ def render() -> str:
         engine = " (also on the engine)" if model_type in decoder_catalog.ENGINE_CHECKED else ""
         class_name = candidates.get(model_type, "")
         rows[kind].append((model_type, class_name, reason.replace("|", "\\|") or f"float64 parity{engine}"))
+    for model_type, reason in decoder_catalog.MISMATCH.items():
+        rows.setdefault("mismatch", []).append((model_type, candidates.get(model_type, ""), reason.replace("|", "\\|")))
     lines = [BEGIN, ""]
-    for kind, title in (("supported", "Supported"), ("refused", "Refused"), ("unchecked", "Not checked here")):
+    for kind, title in (
+        ("supported", "Supported"),
+        ("refused", "Refused"),
+        ("unchecked", "Not checked here"),
+        ("mismatch", "Accepted but not matching HF yet"),
+    ):
+        rows.setdefault(kind, [])
         lines += [f"**{title}** ({len(rows[kind])})", "", "| model_type | class | |", "| --- | --- | --- |"]
         lines += [f"| `{model_type}` | `{name}` | {reason} |" for model_type, name, reason in rows[kind]]
         lines.append("")
