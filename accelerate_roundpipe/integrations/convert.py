@@ -26,7 +26,7 @@ from ..runtime import RoundPipe
 _engines: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 HOW_TO_TURN_OFF = ("To train this model without RoundPipe, run the script without the RoundPipe launcher "
-                   "(`python script.py` / plain `accelerate launch`) or use the stock Accelerator/Trainer.")
+                   "(`python script.py` / plain `accelerate launch`) or use the stock Accelerator or Trainer.")
 
 
 def engine_of(model: object) -> RoundPipe | None:

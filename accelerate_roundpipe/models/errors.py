@@ -10,5 +10,6 @@ class UnsupportedModelError(ValueError):
     """`split_causal_lm` cannot split this model; the message names the missing piece and the way out."""
 
     def __init__(self, model: object, problem: str):
-        self.problem = problem
-        super().__init__(f"Cannot split {type(model).__name__} into pipeline layers: {problem}. {WAY_OUT}")
+        # A problem that is itself a sentence (e.g. with the integrations' advice appended) keeps one full stop.
+        self.problem = problem.rstrip(".")
+        super().__init__(f"Cannot split {type(model).__name__} into pipeline layers: {self.problem}. {WAY_OUT}")

@@ -75,15 +75,20 @@ class _HiddenOnlyOutput:
 
 
 class FinalNorm(nn.Module):
-    """Stands in for the inner model inside the head shell. It holds the final norm (`apply_norm`, called by the
-    head) and hands the already normed hidden state on to the lm_head unchanged."""
+    """Stands in for the inner model inside the head shell. It holds the parts the inner model runs after its
+    decoder layers, under their own names and in call order (the final norm; OPT's output projection), applies them
+    in `apply_norm` (called by the head) and hands the already normed hidden state on to the lm_head unchanged."""
 
-    def __init__(self, norm: nn.Module | None):
+    def __init__(self, parts_after_layers: dict[str, nn.Module]):
         super().__init__()
-        self.norm = norm
+        for name, module in parts_after_layers.items():
+            self.add_module(name, module)
+        self.part_names = list(parts_after_layers)
 
     def apply_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden if self.norm is None else self.norm(hidden)
+        for name in self.part_names:
+            hidden = self._modules[name](hidden)
+        return hidden
 
     def forward(self, *args, inputs_embeds=None, **kwargs):
         return _HiddenOnlyOutput(inputs_embeds)
@@ -96,7 +101,9 @@ class CausalLMHead(nn.Module):
     the fused one applies (see [Note: fused loss path]).
 
     Args:
-        causal_lm_shell: shell of the `*ForCausalLM` holding only `FinalNorm` and the lm_head.
+        causal_lm_shell: shell of the `*ForCausalLM` holding only `FinalNorm` (maybe inside wrapper shells) and the
+            lm_head.
+        lm_head_name: the lm_head's attribute name in `causal_lm_shell`.
         logits_kwargs: fixed keyword arguments for that shell's forward (e.g. `output_router_logits=False`).
         loss_chunk_tokens: most tokens (rows x positions) per cross-entropy chunk; a micro-batch is also cut into
             at least `MIN_LOSS_CHUNKS` chunks (see [Note: loss chunk size]).
@@ -108,6 +115,7 @@ class CausalLMHead(nn.Module):
     def __init__(
         self,
         causal_lm_shell: nn.Module,
+        lm_head_name: str,
         logits_kwargs: dict,
         loss_chunk_tokens: int,
         router_aux_loss_coef: float | None,
@@ -116,8 +124,10 @@ class CausalLMHead(nn.Module):
         if loss_chunk_tokens < 1:
             raise ValueError(f"`loss_chunk_tokens` must be at least 1, got {loss_chunk_tokens}.")
         self.lm = causal_lm_shell
-        self._final_norm_name = next(name for name, m in causal_lm_shell.named_children() if isinstance(m, FinalNorm))
-        self._lm_head_name = _lm_head_name(causal_lm_shell)
+        self._final_norm_path = next(
+            name for name, module in causal_lm_shell.named_modules() if isinstance(module, FinalNorm)
+        )
+        self._lm_head_name = lm_head_name
         config = getattr(causal_lm_shell, "config", None)
         self._logits_are_plain = config is not None and not _logit_transforms(config)
         self.logits_kwargs = dict(logits_kwargs)
@@ -129,7 +139,7 @@ class CausalLMHead(nn.Module):
         return self._logits_of_normed(self._normed(hidden))
 
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm._modules[self._final_norm_name].apply_norm(hidden)
+        return self.lm.get_submodule(self._final_norm_path).apply_norm(hidden)
 
     def _logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
         output = self.lm(inputs_embeds=normed, use_cache=False, **self.logits_kwargs)
@@ -200,7 +210,7 @@ class CausalLMHead(nn.Module):
 
     def _fusable_lm_head(self, normed: torch.Tensor) -> nn.Linear | None:
         """The lm_head when the fused loss computes exactly the logits HF would, else None ([Note: fused loss path])."""
-        if not (self.use_fused_loss and self._logits_are_plain and self._lm_head_name is not None):
+        if not (self.use_fused_loss and self._logits_are_plain):
             return None
         lm_head = self.lm._modules[self._lm_head_name]
         if type(lm_head) is not nn.Linear or lm_head.weight.dtype != normed.dtype:
@@ -218,18 +228,6 @@ class CausalLMHead(nn.Module):
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-
-
-def _lm_head_name(causal_lm_shell: nn.Module) -> str | None:
-    """Name of the lm_head in the head shell: its one child other than `FinalNorm` that holds parameters (the shell
-    keeps only those two and parameter-free modules). `get_output_embeddings()` cannot tell: on the shell it asks the
-    inner model, `FinalNorm`, for input embeddings first and returns None."""
-    names = [
-        name
-        for name, child in causal_lm_shell.named_children()
-        if not isinstance(child, FinalNorm) and next(child.parameters(), None) is not None
-    ]
-    return names[0] if len(names) == 1 else None
 
 
 def _logit_transforms(config) -> list[str]:

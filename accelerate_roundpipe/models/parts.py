@@ -12,26 +12,29 @@ from dataclasses import dataclass
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .stand_ins import ProbeFailed, probe_part_order
 
 
 @dataclass(frozen=True, kw_only=True)
 class DecoderParts:
     """The modules of one decoder-only causal LM, each with the attribute name it has in its parent.
 
-    `inner` is the model the causal LM calls (`causal_lm.<inner_name>`, e.g. `LlamaModel` under `.model`); it holds
-    `embed`, the `decoder_layers` ModuleList and `norm` (None when the model has no final norm). `lm_head` hangs off
-    `causal_lm` directly.
+    `inner` is the model that holds the decoder layers, reached from `causal_lm` through `inner_path` (`("model",)`
+    for `LlamaModel` under `.model`, `("transformer",)` for GPT-2, `("model", "decoder")` for OPT). It holds `embed`,
+    the `decoder_layers` ModuleList, and the parameterised parts run before the layers (`before`, e.g. learned
+    position embeddings) and after them (`after`, in call order: the final norm, an output projection); see
+    [Note: parts around the decoder layers] in `stand_ins.py`. `lm_head` hangs off `causal_lm` directly.
     """
 
     causal_lm: nn.Module
     inner: nn.Module
-    inner_name: str
+    inner_path: tuple[str, ...]
     embed: nn.Module
     embed_name: str
     decoder_layers: nn.ModuleList
     layers_name: str
-    norm: nn.Module | None
-    norm_name: str | None
+    before: tuple[str, ...]
+    after: tuple[str, ...]
     lm_head: nn.Module
     lm_head_name: str
 
@@ -68,12 +71,12 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"no inner decoder model found (a child under `base_model_prefix` "
             f"{getattr(causal_lm, 'base_model_prefix', '')!r} or `model` with `get_input_embeddings`)",
         )
-    inner = causal_lm._modules[inner_name]
+    _refuse_stray_parameters(model, causal_lm, allowed=(inner_name, lm_head_name), where="the causal LM")
+    inner_path, inner = _descend_to_layers(model, causal_lm, inner_name)
     if "inputs_embeds" not in inspect.signature(inner.forward).parameters:
         raise UnsupportedModelError(model, f"the inner model {type(inner).__name__} does not accept `inputs_embeds`")
-    _refuse_stray_parameters(model, causal_lm, allowed=(inner_name, lm_head_name), where="the causal LM")
 
-    embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    embed = causal_lm.get_input_embeddings() if hasattr(causal_lm, "get_input_embeddings") else None
     embed_name = _child_name(inner, embed) if embed is not None else None
     if embed_name is None:
         raise UnsupportedModelError(
@@ -88,20 +91,32 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"found in {type(inner).__name__}",
         )
 
-    norm_name = _final_norm_name(model, inner, used=(embed_name, layers_name))
+    before, after = _parts_around_layers(model, inner, embed_name, layers_name)
     return DecoderParts(
         causal_lm=causal_lm,
         inner=inner,
-        inner_name=inner_name,
+        inner_path=inner_path,
         embed=embed,
         embed_name=embed_name,
         decoder_layers=inner._modules[layers_name],
         layers_name=layers_name,
-        norm=inner._modules[norm_name] if norm_name else None,
-        norm_name=norm_name,
+        before=before,
+        after=after,
         lm_head=lm_head,
         lm_head_name=lm_head_name,
     )
+
+
+def _descend_to_layers(model: nn.Module, causal_lm: nn.Module, inner_name: str) -> tuple[tuple[str, ...], nn.Module]:
+    """The module holding the decoder layers: the inner model itself, or the one parameterised child of a wrapper
+    that holds nothing else (OPT's `model.decoder`, the decoder of Bart-style `*ForCausalLM`s)."""
+    path, inner = (inner_name,), causal_lm._modules[inner_name]
+    while _decoder_layers_name(inner) is None:
+        holders = [name for name, child in inner.named_children() if _has_parameters(child)]
+        if len(holders) != 1 or inner._parameters:
+            break
+        path, inner = (*path, holders[0]), inner._modules[holders[0]]
+    return path, inner
 
 
 def _inner_model_name(causal_lm: nn.Module, lm_head_name: str) -> str | None:
@@ -121,31 +136,58 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def _decoder_layers_name(inner: nn.Module) -> str | None:
-    num_layers = getattr(inner.config, "num_hidden_layers", None)
+    """The ModuleList of `config.num_hidden_layers` modules (`config.decoder_layers` in the decoders of Bart-style
+    models, whose `num_hidden_layers` counts the encoder's)."""
+    counts = {getattr(inner.config, "num_hidden_layers", None), getattr(inner.config, "decoder_layers", None)} - {None}
     candidates = [
-        name for name, child in inner.named_children() if isinstance(child, nn.ModuleList) and len(child) == num_layers
+        name for name, child in inner.named_children() if isinstance(child, nn.ModuleList) and len(child) in counts
     ]
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _final_norm_name(model: nn.Module, inner: nn.Module, used: tuple[str, ...]) -> str | None:
-    """The one parameterised child of the inner model besides embeddings and layers: the final norm.
-
-    A second one (e.g. learned position embeddings, a vision tower) would be used somewhere the split cannot see,
-    so it is refused rather than guessed at.
-    """
+def _parts_around_layers(
+    model: nn.Module, inner: nn.Module, embed_name: str, layers_name: str
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The parameterised children of the inner model run before and after its decoder layers, in call order (see
+    [Note: parts around the decoder layers]); a part used between layers or never is refused."""
     if inner._parameters:
         raise UnsupportedModelError(
             model, f"{type(inner).__name__} holds parameters of its own ({', '.join(inner._parameters)})"
         )
-    others = [name for name, child in inner.named_children() if name not in used and _has_parameters(child)]
-    if len(others) > 1:
+    parts = [name for name, child in inner.named_children() if name != layers_name and _has_parameters(child)]
+    try:
+        calls = probe_part_order(inner, layers_name, parts)
+    except ProbeFailed as error:
+        raise UnsupportedModelError(
+            model, f"{type(inner).__name__}.forward failed before its first decoder layer when probed ({error})"
+        ) from error
+    layer_calls = [index for index, call in enumerate(calls) if call.startswith("layer ")]
+    if not layer_calls:
+        raise UnsupportedModelError(model, f"{type(inner).__name__}.forward never called its decoder layers")
+    first, last = layer_calls[0], layer_calls[-1]
+    between = sorted({call for call in calls[first:last] if not call.startswith("layer ")})
+    if between:
         raise UnsupportedModelError(
             model,
-            f"{type(inner).__name__} has parameterised submodules besides the embeddings, decoder layers and final "
-            f"norm ({', '.join(others)}); the split cannot tell where they are used",
+            f"{type(inner).__name__} uses the parameterised parts {', '.join(between)} between its decoder layers "
+            "(state shared across layers), which a pipeline of independent layers cannot carry",
         )
-    return others[0] if others else None
+    unused = [name for name in parts if name not in calls]
+    if unused:
+        raise UnsupportedModelError(
+            model,
+            f"{type(inner).__name__} has parameterised parts its forward does not call on token ids "
+            f"({', '.join(unused)}); the split cannot tell where they are used",
+        )
+    before = tuple(_unique(call for call in calls[:first] if call != embed_name))
+    after = tuple(_unique(calls[last + 1 :]))
+    if embed_name in after:
+        raise UnsupportedModelError(model, f"{type(inner).__name__} uses its input embedding after its decoder layers")
+    return before, after
+
+
+def _unique(names) -> list[str]:
+    return list(dict.fromkeys(names))
 
 
 def _refuse_stray_parameters(model: nn.Module, parent: nn.Module, allowed: tuple[str, ...], where: str) -> None:

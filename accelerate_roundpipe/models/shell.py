@@ -27,7 +27,7 @@ _target_layer_index: contextvars.ContextVar[int | None] = contextvars.ContextVar
     "roundpipe_target_layer_index", default=None
 )
 
-_PLAIN_ATTRIBUTE_TYPES = (str, int, float, bool, type(None))
+PLAIN_ATTRIBUTE_TYPES = (str, int, float, bool, type(None))
 
 
 class _LayerCallCaptured(Exception):
@@ -44,7 +44,7 @@ class _LayerStub:
 
     def __init__(self, layer_index: int, layer: nn.Module):
         # Per-layer choices in model code read plain attributes such as `attention_type` or `layer_idx`.
-        attributes = {k: v for k, v in vars(layer).items() if isinstance(v, _PLAIN_ATTRIBUTE_TYPES)}
+        attributes = {k: v for k, v in vars(layer).items() if isinstance(v, PLAIN_ATTRIBUTE_TYPES)}
         self.__dict__.update(attributes)
         self.stub_layer_index = layer_index
 

@@ -16,7 +16,8 @@ from .layers import DecoderLayer, EmbeddingLayer
 from .parts import DecoderParts, find_decoder_parts
 from .registry import FamilySpec, family_for
 from .router_aux import install_router_hooks
-from .shell import UnusedPart, decoder_stubs, make_shell
+from .shell import PLAIN_ATTRIBUTE_TYPES, UnusedPart, decoder_stubs, make_shell
+from .stand_ins import ShapeOnlyPart
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
     ]
     head = CausalLMHead(
         _causal_lm_shell(parts),
+        lm_head_name=parts.lm_head_name,
         logits_kwargs=_logits_kwargs(causal_lm),
         loss_chunk_tokens=loss_chunk_tokens,
         router_aux_loss_coef=router_coef,
@@ -137,22 +139,42 @@ def _parameter_free_children(module: nn.Module, exclude: tuple) -> dict[str, nn.
 
 
 def _inner_shell(parts: DecoderParts, stubs: list, keep_embed: bool) -> nn.Module:
-    """Shell of the inner model (see [Note: shells]): rotary and other parameter-free parts, stub layers."""
-    children = _parameter_free_children(parts.inner, exclude=(parts.embed_name, parts.layers_name, parts.norm_name))
-    plain = {parts.layers_name: stubs}
+    """Shell of the inner model (see [Note: shells]): rotary and other parameter-free parts, stub layers.
+
+    The first layer's shell holds the embedding and the parts run before the decoder layers; a decoder layer's
+    shell has shape-only stand-ins for them (see [Note: parts around the decoder layers] in `stand_ins.py`)."""
+    around = (parts.embed_name, *parts.before, *parts.after)
+    children = _parameter_free_children(parts.inner, exclude=(parts.layers_name, *around))
+    plain: dict[str, object] = {parts.layers_name: stubs}
     if keep_embed:
         children[parts.embed_name] = parts.embed
+        children.update({name: parts.inner._modules[name] for name in parts.before})
     else:
         plain[parts.embed_name] = UnusedPart(parts.embed_name)
-    if parts.norm_name is not None:
-        plain[parts.norm_name] = UnusedPart(parts.norm_name)
+        plain.update({name: ShapeOnlyPart(name, parts.inner._modules[name]) for name in parts.before})
+    plain.update({name: UnusedPart(name) for name in parts.after})
     return make_shell(parts.inner, children, plain)
 
 
 def _causal_lm_shell(parts: DecoderParts) -> nn.Module:
-    """Shell of the causal LM whose inner model is `FinalNorm`: it holds the final norm (see `head.py`)."""
-    children = _parameter_free_children(parts.causal_lm, exclude=(parts.inner_name, parts.lm_head_name))
-    children[parts.inner_name] = FinalNorm(parts.norm)
+    """Shell of the causal LM whose inner model is `FinalNorm`: it holds the parts after the decoder layers (see
+    `head.py`). Wrappers between the causal LM and the inner model (OPT's `model` around `model.decoder`) become
+    shells too, each holding only the next one on the path."""
+    final = FinalNorm({name: parts.inner._modules[name] for name in parts.after})
+    # The causal LM may read plain attributes of its inner model (Falcon-H1's `lm_head_multiplier`).
+    for key, value in vars(parts.inner).items():
+        if isinstance(value, PLAIN_ATTRIBUTE_TYPES) and not key.startswith("_") and not hasattr(final, key):
+            final.__dict__[key] = value
+    modules = [parts.causal_lm]
+    for name in parts.inner_path[:-1]:
+        modules.append(modules[-1]._modules[name])
+    child: nn.Module = final
+    for module, name in zip(reversed(modules[1:]), reversed(parts.inner_path[1:])):
+        children = _parameter_free_children(module, exclude=(name,))
+        children[name] = child
+        child = make_shell(module, children, plain={})
+    children = _parameter_free_children(parts.causal_lm, exclude=(parts.inner_path[0], parts.lm_head_name))
+    children[parts.inner_path[0]] = child
     children[parts.lm_head_name] = parts.lm_head
     return make_shell(parts.causal_lm, children, plain={})
 

@@ -34,10 +34,11 @@ def test_model_without_lm_head():
     assert "lm_head" in _split_error(model)
 
 
-def test_unknown_parameterised_parts():
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
-    message = _split_error(transformers.GPT2LMHeadModel(config))
-    assert "wpe" in message  # learned position embeddings: the split cannot tell where they are used
+def test_parameterised_part_the_forward_never_calls():
+    model = build_model("llama")
+    model.model.value_probe = nn.Linear(4, 4)  # held by the inner model, never called by its forward
+    message = _split_error(model)
+    assert "value_probe" in message and "does not call" in message
 
 
 def test_missing_decoder_layers():
@@ -55,3 +56,11 @@ def test_router_aux_loss_of_an_unregistered_family():
         register_family(saved)
     assert "output_router_logits = False" in message and "register_family" in message
     assert _FAMILIES["qwen3_moe"] == FamilySpec(name="qwen3_moe", switch_router_aux_loss=True)
+
+
+def test_a_problem_ending_in_a_full_stop_keeps_one():
+    """The integrations append their advice ("... use the stock Accelerator or Trainer.") to the problem."""
+    from accelerate_roundpipe.integrations.convert import HOW_TO_TURN_OFF
+
+    message = str(UnsupportedModelError(nn.Linear(1, 1), f"no lm_head. {HOW_TO_TURN_OFF}"))
+    assert ".." not in message and "Accelerator or Trainer. " in message
