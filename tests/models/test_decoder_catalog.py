@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 import sys
 
@@ -15,9 +16,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CANDIDATES = decoder_catalog.candidates()
 
 
+SURVEY = os.environ.get("ROUNDPIPE_SURVEY_DECODERS") == "1"
+
+
 @pytest.mark.parametrize("model_type", list(CANDIDATES))
 def test_supported_with_parity_or_refused_with_a_reason(model_type):
     expected = decoder_catalog.EXPECTED.get(model_type)
+    if expected is None and not SURVEY:
+        # Not surveyed yet: its tiny config may take minutes or need per-family settings. The survey
+        # (`python scripts/models_table.py --survey`, or ROUNDPIPE_SURVEY_DECODERS=1) checks and lists it.
+        pytest.skip(f"{model_type} is not in decoder_catalog.EXPECTED yet (survey it: scripts/models_table.py)")
     if expected is not None and expected.startswith("unchecked: "):
         pytest.skip(expected)
     if model_type in decoder_catalog.MISMATCH:
