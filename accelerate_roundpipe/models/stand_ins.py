@@ -73,6 +73,12 @@ class _RecordingPart(ShapeOnlyPart):
 
     def __call__(self, *args, **kwargs):
         self.calls.append(self.name)
+        if any(call.startswith("layer ") for call in self.calls):
+            # After a decoder layer only the order is wanted: the part is not run, not even on meta tensors, where
+            # a kernel of its own (Liger's Triton RMSNorm, say) is launched with null pointers and faults the GPU.
+            # Stand in with zeros shaped like its first input (norms and projections at the end keep the rank).
+            first = next(v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor))
+            return torch.zeros_like(first)
         return super().__call__(*args, **kwargs)
 
 
