@@ -196,16 +196,23 @@ def test_gpu_out_of_memory_names_the_knobs():
 
 
 def test_short_batches_can_be_allowed_with_one_warning(caplog):
+    """[Note: short batches]: the last batch of each epoch may be short (one warning per engine); two short
+    batches in a row mean every batch is, and the second is an error naming the setting."""
     import logging
 
     engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4), allow_short_batches=True)
-    x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
-    reference = nn.functional.cross_entropy(small()(x), y)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    reference = nn.functional.cross_entropy(small()(x[:3]), y[:3])
+    loss_fn = nn.functional.cross_entropy
     with caplog.at_level(logging.WARNING):
-        loss = engine.forward_backward(x, labels=y, loss_fn=nn.functional.cross_entropy)
-        engine.forward_backward(x[:2], labels=y[:2], loss_fn=nn.functional.cross_entropy)
+        loss = engine.forward_backward(x[:3], labels=y[:3], loss_fn=loss_fn)  # end of epoch 1
+        engine.forward_backward(x, labels=y, loss_fn=loss_fn)  # a full batch of epoch 2
+        engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)  # end of epoch 2
     assert torch.allclose(loss, reference) and caplog.text.count("Shown once") == 1
     assert engine.config.num_microbatches == 4
+    with pytest.raises(ValueError, match=r"2 rows but num_microbatches \(env ROUNDPIPE_NUM_MICROBATCHES\) is 4 "
+                                         r"\(the second short batch in a row.*Set num_microbatches to at most 2"):
+        engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)
     engine.close()
 
 
