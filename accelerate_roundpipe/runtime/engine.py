@@ -297,6 +297,8 @@ class RoundPipe(nn.Module):
             try:
                 if self._failure.error is None:
                     self.synchronize()
+                    if self.trace is not None:
+                        self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
             finally:
                 self._failure.close()
                 if self._finalizer is not None:
@@ -317,6 +319,7 @@ class RoundPipe(nn.Module):
         if self.trace is None:
             raise RuntimeError("no trace is being recorded: set RoundPipeConfig(trace_path=...) or ROUNDPIPE_TRACE.")
         self.synchronize()
+        self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
         return self._write_trace(path)
 
     def _write_trace(self, path: str | None = None) -> str:
