@@ -48,11 +48,24 @@ def trainer_run(tmp_path_factory):
     train, _ = lm_datasets(tokenizer, block_size=32)
     trace = os.path.join(out, "trace.json")
     args = RoundPipeTrainingArguments(
-        output_dir=out, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=3e-3,
-        logging_steps=LOGGING_STEPS, save_strategy="no", report_to=["tensorboard"], disable_tqdm=True, seed=0,
-        use_cpu=True, dataloader_pin_memory=False, max_grad_norm=1.0, gradient_accumulation_steps=2,
-        roundpipe_devices="cpu,cpu", roundpipe_num_microbatches=2, roundpipe_trace_path=trace,
-        roundpipe_peak_tflops=0.001)
+        output_dir=out,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        logging_steps=LOGGING_STEPS,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=2,
+        roundpipe_devices="cpu,cpu",
+        roundpipe_num_microbatches=2,
+        roundpipe_trace_path=trace,
+        roundpipe_peak_tflops=0.001,
+    )
     trainer = RoundPipeTrainer(model=tiny_llama(len(tokenizer)), args=args, train_dataset=train)
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
@@ -76,9 +89,14 @@ def test_trainer_writes_the_trace_when_training_ends(trainer_run):
 def test_trainer_prints_one_summary_with_its_settings(trainer_run):
     trainer, _, trace, stderr = trainer_run
     assert stderr.count("RoundPipe is on: 2 worker(s) (cpu, cpu)") == 1
-    for line in ("micro-batches: 2 per pass (num_microbatches)", "optimizer: AdamW, exact step",
-                 "clipping: max_grad_norm=1 (exact, this step's norm, no pipeline drain)",
-                 "gradient accumulation: 2 batch(es) per optimizer step", f"trace: {trace}", "host memory: about"):
+    for line in (
+        "micro-batches: 2 per pass (num_microbatches)",
+        "optimizer: AdamW, exact step",
+        "clipping: max_grad_norm=1 (exact, this step's norm, no pipeline drain)",
+        "gradient accumulation: 2 batch(es) per optimizer step",
+        f"trace: {trace}",
+        "host memory: about",
+    ):
         assert f"[roundpipe]   {line}" in stderr, line
 
 
@@ -115,8 +133,9 @@ def test_accelerate_loop_writes_the_trace_at_end_training(tmp_path, capsys):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     trace = str(tmp_path / "trace.json")
-    accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(
-        devices=["cpu", "cpu"], num_microbatches=2, trace_path=trace))
+    accelerator = RoundPipeAccelerator(
+        roundpipe_plugin=RoundPipePlugin(devices=["cpu", "cpu"], num_microbatches=2, trace_path=trace)
+    )
     model = tiny_llama(128)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     model.train()
@@ -137,7 +156,7 @@ def test_accelerate_loop_writes_the_trace_at_end_training(tmp_path, capsys):
     GradientState._reset_state()
 
 
-LOOP_WITHOUT_AN_END = '''
+LOOP_WITHOUT_AN_END = """
 import torch
 from accelerate import Accelerator
 from transformers import LlamaForCausalLM, LlamaConfig
@@ -154,7 +173,7 @@ for step in range(3):
     optimizer.step()
     optimizer.zero_grad()
 print("loop done")  # no end_training(), no close(): the script just ends
-'''
+"""
 
 
 def test_launched_script_writes_the_trace_at_exit(tmp_path):

@@ -226,3 +226,30 @@ def test_every_task_kind_has_an_interpreter_and_a_missing_one_is_named():
     del worker._interpreters[TaskKind.FUSED]
     with pytest.raises(ValueError, match="no worker runs"):
         fb(engine)
+
+
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cpu", "cuda"]])
+def test_cuda_devices_without_cuda_name_the_setting(devices):
+    """Before: a bare `AssertionError: Torch not compiled with CUDA enabled` from the first pinned buffer."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"devices \(env ROUNDPIPE_DEVICES\)=.* names CUDA devices, but .*"
+                                         r"ROUNDPIPE_DEVICES=cpu,cpu, --roundpipe_devices cpu,cpu"):
+        RoundPipe(small(), RoundPipeConfig(devices=devices))
+
+
+def test_cuda_device_index_beyond_the_visible_gpus(monkeypatch):
+    from accelerate_roundpipe.config import check_cuda_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_cuda_devices([torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(ValueError, match=r"names cuda:2, but only 2 CUDA GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
+        check_cuda_devices([torch.device("cuda", 0), torch.device("cuda", 2)])
+
+
+def test_pinned_memory_without_cuda_names_the_setting():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"pin_memory \(env ROUNDPIPE_PIN_MEMORY\) is true.*ROUNDPIPE_PIN_MEMORY=0"):
+        RoundPipe(small(), RoundPipeConfig(devices=["cpu"], pin_memory=True))

@@ -25,8 +25,12 @@ def _train(engine, optimizer, passes: int = 2) -> None:
 
 def test_summary_once_at_the_first_pass_says_how_the_engine_runs(capsys, tmp_path):
     trace = str(tmp_path / "trace.json")
-    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=4, recompute="layer",
-                                                     async_optimizer=True, trace_path=trace))
+    engine = RoundPipe(
+        tied_model(),
+        RoundPipeConfig(
+            devices=["cpu", "cpu"], num_microbatches=4, recompute="layer", async_optimizer=True, trace_path=trace
+        ),
+    )
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
     engine.summary_notes["clipping"] = "max_grad_norm=1 (a note an integration adds)"
     assert capsys.readouterr().err == ""  # nothing before the first pass: the optimizer is not known until then
@@ -41,7 +45,7 @@ def test_summary_once_at_the_first_pass_says_how_the_engine_runs(capsys, tmp_pat
         "  optimizer: AdamW, lagged one step (async, staleness 1)",
         "  clipping: max_grad_norm=1 (a note an integration adds)",
     ]
-    assert lines[:len(expected)] == expected
+    assert lines[: len(expected)] == expected
     store_mib = engine.host_store.estimated_bytes / 2**20
     assert f"  host memory: about {store_mib:.1f} MiB for the store (compute float64, optimizer float64" in err
     assert "pinned: no" in err and f"  trace: {trace} (written at the end of training and at exit)" in err

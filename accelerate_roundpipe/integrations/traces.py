@@ -1,5 +1,7 @@
-"""Writing the engines' timeline traces when training ends (the ways in never call `close()`: [Note: trace at
-exit])."""
+"""Writing the engines' timeline traces when training ends.
+
+The ways in never call `close()`: [Note: trace at exit].
+"""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def write_traces(engines: list[RoundPipe]) -> None:
         try:
             engine.save_trace()
         except Exception as error:  # a failed engine: keep what it recorded, the loop saw the error itself
-            logger.warning("RoundPipe could not finish its work before writing the trace (%s); writing what was "
-                           "recorded.", error)
+            logger.warning(
+                "RoundPipe could not finish its work before writing the trace (%s); writing what was recorded.", error
+            )
             engine.trace.save()

@@ -65,8 +65,8 @@ def check_training_args(args) -> None:
 
 
 def check_batch_against_microbatches(args, plugin) -> None:
-    """A training batch smaller than `num_microbatches` on every step is a setting mistake ([Note: short
-    batches]): say so before training starts, not at the second step."""
+    """A training batch smaller than `num_microbatches` on every step is a setting mistake
+    ([Note: short batches]): say so before training starts, not at the second step."""
     requested, rows = plugin.num_microbatches, args.per_device_train_batch_size
     if requested is not None and rows < requested:
         raise ValueError(f"per_device_train_batch_size={rows} is smaller than num_microbatches={requested} "

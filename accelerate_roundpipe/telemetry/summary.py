@@ -27,12 +27,17 @@ def _microbatches(config, num_devices: int) -> str:
     if config.num_microbatches is not None:
         count = f"{config.num_microbatches} per pass (num_microbatches)"
     elif config.resolved_plan == "measured":
-        count = (f"{2 * num_devices} per pass (2 x devices) on the first pass, then the measured plan's choice "
-                 f"(num_microbatches to fix it)")
+        count = (
+            f"{2 * num_devices} per pass (2 x devices) on the first pass, then the measured plan's choice "
+            f"(num_microbatches to fix it)"
+        )
     else:
         count = f"{2 * num_devices} per pass (2 x devices; num_microbatches to change it), at most one per row"
-    rounds = (f"{config.microbatches_per_round} per round" if config.microbatches_per_round is not None
-              else "all in one round")
+    rounds = (
+        f"{config.microbatches_per_round} per round"
+        if config.microbatches_per_round is not None
+        else "all in one round"
+    )
     return f"{count}, {rounds}"
 
 
@@ -73,7 +78,8 @@ def engine_summary(engine) -> str:
     lines += [
         f"  host memory: about {_size(store.estimated_bytes)} for the store ({_dtypes(store)}, with AdamW state), "
         f"pinned: {'yes' if store.pin_memory else 'no'}",
-        f"  trace: {config.trace_path} (written at the end of training and at exit)" if config.trace_path
+        f"  trace: {config.trace_path} (written at the end of training and at exit)"
+        if config.trace_path
         else "  trace: off (ROUNDPIPE_TRACE=path.json records one)",
         "  (ROUNDPIPE_SUMMARY=0 hides this summary)",
     ]
