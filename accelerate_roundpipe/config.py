@@ -70,6 +70,27 @@ def _gib(value: Any, name: str) -> float:
     return gib
 
 
+def check_cuda_devices(devices: list[torch.device]) -> None:
+    """Refuse CUDA workers this machine cannot run, naming the setting (else the first pinned buffer fails deep
+    inside torch with "Torch not compiled with CUDA enabled")."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if not cuda:
+        return
+    named = ",".join(str(d) for d in devices)
+    fix = (f"Set devices to CPU workers (env {ENV_PREFIX}DEVICES=cpu,cpu, --roundpipe_devices cpu,cpu, or "
+           f"`devices: cpu,cpu` in the `roundpipe:` section), or leave it unset to use every visible GPU.")
+    if not torch.cuda.is_available():
+        why = ("this PyTorch was built without CUDA" if torch.version.cuda is None
+               else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)")
+        raise ValueError(f"devices (env {ENV_PREFIX}DEVICES)={named!r} names CUDA devices, but {why} "
+                         f"(torch {torch.__version__}). {fix}")
+    count = torch.cuda.device_count()
+    missing = [str(d) for d in cuda if (d.index or 0) >= count]
+    if missing:
+        raise ValueError(f"devices (env {ENV_PREFIX}DEVICES)={named!r} names {', '.join(missing)}, but only {count} "
+                         f"CUDA GPU(s) are visible (cuda:0 to cuda:{count - 1}). Name visible GPUs only. {fix}")
+
+
 @dataclass(kw_only=True)
 class RoundPipeConfig:
     """Configuration of a RoundPipe engine.
@@ -113,8 +134,11 @@ class RoundPipeConfig:
         wait_timeout_s (`float`, env `ROUNDPIPE_WAIT_TIMEOUT_S`): a thread waiting longer than this on another
             raises instead of hanging. Default: 600.
         trace_path (`str`, env `ROUNDPIPE_TRACE_PATH` or `ROUNDPIPE_TRACE`): write a Chrome/Perfetto timeline of
-            every worker, commit thread, the optimizer and the caller here (at `close()` or `save_trace()`).
-            Default: no recording.
+            every worker, commit thread, the optimizer and the caller here (at the end of `Trainer.train()`,
+            `accelerator.end_training()`, `close()`, `save_trace()`, and at exit). Default: no recording.
+        summary (`bool`, env `ROUNDPIPE_SUMMARY`): print one summary of the engine's settings (devices, plan,
+            micro-batches, recompute, optimizer, clipping, host memory) to stderr when it starts, and where the
+            trace is written. Default: true.
         peak_tflops (`float`, env `ROUNDPIPE_PEAK_TFLOPS`): the peak dense TFLOP/s of one device, for the MFU in
             training logs. Default: unknown (no MFU logged).
         kernels (`str`, env `ROUNDPIPE_KERNELS`): fused decoder-layer kernels for Hugging Face models: "auto"
@@ -161,6 +185,8 @@ class RoundPipeConfig:
     trace_path: str | None = field(default=None, metadata={
         "help": "Write a Chrome/Perfetto timeline trace here (env ROUNDPIPE_TRACE also works). Default: off.",
         "env_aliases": ("ROUNDPIPE_TRACE",)})
+    summary: bool | None = field(default=None, metadata={
+        "help": "Print one summary of the engine's settings to stderr when it starts. Default: true."})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "Peak dense TFLOP/s of one device, for the MFU in training logs. Default: unknown (no MFU)."})
     kernels: str | None = field(default=None, metadata={
@@ -196,7 +222,7 @@ class RoundPipeConfig:
                 if value < least:
                     raise ValueError(f"{name} (env {env}{name.upper()}) must be >= {least}, got {value}.")
                 setattr(self, name, value)
-        for name in ("async_optimizer", "pin_memory"):
+        for name in ("async_optimizer", "pin_memory", "summary"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, str_to_bool(value, env + name.upper()))
@@ -222,11 +248,18 @@ class RoundPipeConfig:
 
     # Resolved values: what the engine actually uses.
     def resolved_devices(self) -> list[torch.device]:
+        """The workers; named CUDA devices are checked against what this machine has (an engine asks once)."""
         if self.devices is not None:
-            return [torch.device(d) for d in self.devices]
+            devices = [torch.device(d) for d in self.devices]
+            check_cuda_devices(devices)
+            return devices
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
         return [torch.device("cpu")]
+
+    @property
+    def resolved_summary(self) -> bool:
+        return True if self.summary is None else self.summary
 
     @property
     def resolved_async_optimizer(self) -> bool:

@@ -49,6 +49,8 @@ def test_a_model_that_cannot_be_split(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"nn\.Sequential.*|without RoundPipe") as error:
         accelerator.prepare(NotADecoder())
     assert "without RoundPipe" in str(error.value) and "nn.Sequential" in str(error.value)
+    assert "the stock Accelerator/Trainer. To run this model anyway" in str(error.value)  # was "Trainer.. To run"
+    assert ".." not in str(error.value)
 
 
 def test_a_trainer_model_that_cannot_be_split(tmp_path):
@@ -95,3 +97,38 @@ def test_data_parallel_style_trainer_arguments(tmp_path):
         with pytest.raises(ValueError, match=f"`{next(iter(setting))}` is set"):
             args = RoundPipeTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **setting)
             RoundPipeTrainer(model=torch.nn.Linear(2, 2), args=args)
+
+
+def _tiny_trainer(tmp_path, optimizers=(None, None), **args):
+    from transformers import LlamaForCausalLM
+
+    from accelerate_roundpipe import RoundPipeTrainer, RoundPipeTrainingArguments
+    from accelerate_roundpipe.tiny.data import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(64))
+    values = dict(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, per_device_train_batch_size=2,
+                  roundpipe_devices="cpu,cpu", roundpipe_num_microbatches=2)
+    values.update(args)
+    data = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]}] * 4
+    return RoundPipeTrainer(model=model, args=RoundPipeTrainingArguments(**values), train_dataset=data,
+                            optimizers=optimizers)
+
+
+def test_a_trainer_optimizer_over_other_parameters_is_told_what_to_pass(tmp_path):
+    """Before: told to call `accelerator.prepare`, which a Trainer user never calls."""
+    other = torch.nn.Linear(3, 3)
+    trainer = _tiny_trainer(tmp_path, optimizers=(torch.optim.SGD(other.parameters(), lr=0.1), None))
+    with pytest.raises(ValueError, match=r"holds no parameter of a RoundPipe model.*passed as "
+                                         r"`optimizers=\(optimizer, scheduler\)` must be built over the parameters "
+                                         r"of the model passed as `model=`") as error:
+        trainer.train()
+    assert "accelerator.prepare" not in str(error.value)
+
+
+def test_a_trainer_batch_smaller_than_num_microbatches_is_refused_before_training(tmp_path):
+    """The docs call it an error, and it is one: every step's batch would be short ([Note: short batches])."""
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size=2 is smaller than num_microbatches=4 "
+                                         r"\(--roundpipe_num_microbatches, env ROUNDPIPE_NUM_MICROBATCHES\).*"
+                                         r"Set num_microbatches to at most 2, or per_device_train_batch_size to at "
+                                         r"least 4"):
+        _tiny_trainer(tmp_path, roundpipe_num_microbatches=4)

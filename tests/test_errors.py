@@ -196,16 +196,23 @@ def test_gpu_out_of_memory_names_the_knobs():
 
 
 def test_short_batches_can_be_allowed_with_one_warning(caplog):
+    """[Note: short batches]: the last batch of each epoch may be short (one warning per engine); two short
+    batches in a row mean every batch is, and the second is an error naming the setting."""
     import logging
 
     engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4), allow_short_batches=True)
-    x, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
-    reference = nn.functional.cross_entropy(small()(x), y)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    reference = nn.functional.cross_entropy(small()(x[:3]), y[:3])
+    loss_fn = nn.functional.cross_entropy
     with caplog.at_level(logging.WARNING):
-        loss = engine.forward_backward(x, labels=y, loss_fn=nn.functional.cross_entropy)
-        engine.forward_backward(x[:2], labels=y[:2], loss_fn=nn.functional.cross_entropy)
+        loss = engine.forward_backward(x[:3], labels=y[:3], loss_fn=loss_fn)  # end of epoch 1
+        engine.forward_backward(x, labels=y, loss_fn=loss_fn)  # a full batch of epoch 2
+        engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)  # end of epoch 2
     assert torch.allclose(loss, reference) and caplog.text.count("Shown once") == 1
     assert engine.config.num_microbatches == 4
+    with pytest.raises(ValueError, match=r"2 rows but num_microbatches \(env ROUNDPIPE_NUM_MICROBATCHES\) is 4 "
+                                         r"\(the second short batch in a row.*Set num_microbatches to at most 2"):
+        engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)
     engine.close()
 
 
@@ -219,3 +226,30 @@ def test_every_task_kind_has_an_interpreter_and_a_missing_one_is_named():
     del worker._interpreters[TaskKind.FUSED]
     with pytest.raises(ValueError, match="no worker runs"):
         fb(engine)
+
+
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cpu", "cuda"]])
+def test_cuda_devices_without_cuda_name_the_setting(devices):
+    """Before: a bare `AssertionError: Torch not compiled with CUDA enabled` from the first pinned buffer."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"devices \(env ROUNDPIPE_DEVICES\)=.* names CUDA devices, but .*"
+                                         r"ROUNDPIPE_DEVICES=cpu,cpu, --roundpipe_devices cpu,cpu"):
+        RoundPipe(small(), RoundPipeConfig(devices=devices))
+
+
+def test_cuda_device_index_beyond_the_visible_gpus(monkeypatch):
+    from accelerate_roundpipe.config import check_cuda_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_cuda_devices([torch.device("cuda", 0), torch.device("cuda", 1)])
+    with pytest.raises(ValueError, match=r"names cuda:2, but only 2 CUDA GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
+        check_cuda_devices([torch.device("cuda", 0), torch.device("cuda", 2)])
+
+
+def test_pinned_memory_without_cuda_names_the_setting():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"pin_memory \(env ROUNDPIPE_PIN_MEMORY\) is true.*ROUNDPIPE_PIN_MEMORY=0"):
+        RoundPipe(small(), RoundPipeConfig(devices=["cpu"], pin_memory=True))

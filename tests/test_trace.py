@@ -113,3 +113,71 @@ def test_idle_between_passes_counts_only_the_gaps_before_a_pass(tmp_path):
     assert [s.start for s in last_seconds(spans, 2.0)] == [4.5, 5.5]
     report = main([str(path), "--seconds", "2"])
     assert report["measured_bubble"] == 0.0 and report["idle_between_passes"] == 0.0 and report["tasks"] == 2
+
+
+def _trained_engine(path, passes: int = 2):
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * 2, num_microbatches=4, trace_path=str(path)))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    tasks = []
+    for k in range(passes):
+        tasks += [str(t) for t in engine.schedule(4)]
+        x, mask, y = batch(rows=8, seed=k)
+        engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        optimizer.step()
+        optimizer.zero_grad()
+    return engine, optimizer, tasks
+
+
+def _task_names(path) -> list[str]:
+    trace = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    return sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and names[e["tid"]].endswith(" host"))
+
+
+def test_an_engine_dropped_without_close_writes_its_trace_and_is_freed(tmp_path):
+    """[Note: trace at exit]: the ways in never call close(); the trace is written when the engine is freed, and
+    recording does not keep the engine alive."""
+    import gc
+    import weakref
+
+    path = tmp_path / "trace.json"
+    engine, optimizer, tasks = _trained_engine(path)
+    engine.synchronize()  # every task has run (a dropped engine cancels what has not)
+    ref = weakref.ref(engine)
+    del engine, optimizer
+    gc.collect()
+    assert ref() is None
+    assert _task_names(path) == sorted(tasks)
+
+
+def test_a_process_that_exits_without_close_writes_its_trace(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    path = tmp_path / "trace.json"
+    script = (f"import sys; sys.path.insert(0, {str(tests)!r})\n"
+              "from test_trace import _trained_engine\n"
+              f"engine, optimizer, tasks = _trained_engine({str(path)!r})\n"
+              "engine.synchronize()\n"
+              f"open({str(tmp_path / 'tasks.txt')!r}, 'w').write(chr(10).join(tasks))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"trace written to {path}" in result.stderr
+    assert _task_names(path) == sorted((tmp_path / "tasks.txt").read_text().split("\n"))
+
+
+def test_save_trace_is_not_repeated_at_exit_when_nothing_ran_since(tmp_path):
+    path = tmp_path / "trace.json"
+    engine, optimizer, _ = _trained_engine(path, passes=1)
+    engine.save_trace()
+    assert not engine.trace.has_unsaved_spans and engine._trace_saver.alive
+    x, mask, y = batch(rows=8, seed=5)
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+    assert engine.trace.has_unsaved_spans  # the exit would write again: an evaluation after training shows up
+    engine.close()
+    assert not engine._trace_saver.alive  # closed: written, nothing more to record

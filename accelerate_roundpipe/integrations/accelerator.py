@@ -31,8 +31,9 @@ from ..runtime import RoundPipe
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .convert import convert_model, engine_of
 from .grad_norm import clip_grad_norm, clip_grad_value
-from .optimizer import RoundPipeAcceleratedOptimizer, repoint_optimizer
+from .optimizer import PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
 from .plugin import RoundPipePlugin
+from .traces import write_traces
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         # (compute copies only, no optimizer copy or gradient buffer). `RoundPipeTrainer` sets it (a DPO reference).
         self.frozen_for_evaluation: Callable[[nn.Module], bool] = lambda model: False
         self._roundpipe_load_dir: str | None = None
+        # What the engine's start summary says about the loop around it (the Trainer states its own settings).
+        self.roundpipe_summary_notes = {
+            "clipping": "exact, where the loop calls accelerator.clip_grad_norm_ (no pipeline drain)",
+            "gradient accumulation": f"{self.gradient_accumulation_steps} batch(es) per optimizer step"}
+        self.roundpipe_optimizer_hint = PREPARE_TOGETHER  # how a wrong optimizer's error says to fix it
         self.register_load_state_pre_hook(self._remember_load_dir)
 
     def _refuse_compilation(self) -> None:
@@ -127,6 +133,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         prepared, engine = convert_model(model, self.roundpipe_plugin)
         # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
         engine.expect_grad_scale(1.0 / self.gradient_accumulation_steps)
+        engine.summary_notes.update(self.roundpipe_summary_notes)
         if engine not in self._roundpipe_engines:
             self._roundpipe_engines.append(engine)
         return prepared
@@ -136,7 +143,8 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
             return optimizer
-        prepared = RoundPipeAcceleratedOptimizer(repoint_optimizer(optimizer, self._roundpipe_engines))
+        prepared = RoundPipeAcceleratedOptimizer(repoint_optimizer(optimizer, self._roundpipe_engines,
+                                                                   self.roundpipe_optimizer_hint))
         self._optimizers.append(prepared)
         return prepared
 
@@ -167,6 +175,12 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         if engine is None:
             return super().get_state_dict(model, unwrap)
         return detached_state_dict(engine)
+
+    def end_training(self) -> None:
+        """accelerate's `end_training` (trackers finish), after writing each engine's timeline trace when recording
+        (a stock loop never calls `close()`: [Note: trace at exit])."""
+        write_traces(self._roundpipe_engines)
+        super().end_training()
 
     def synchronize_roundpipe(self) -> None:
         """Wait for every pass and lagged step of every RoundPipe model."""

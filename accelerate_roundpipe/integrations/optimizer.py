@@ -35,8 +35,14 @@ def optimizer_copy_map(engine: RoundPipe) -> dict[int, nn.Parameter]:
     return mapping
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe]) -> LaggedOptimizer:
-    """Re-point `optimizer` to the optimizer copies of one of `engines` and wrap it lagged.
+PREPARE_TOGETHER = ("Build the optimizer over `model.parameters()` and prepare both together: "
+                    "`model, optimizer = accelerator.prepare(model, optimizer)`.")
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe],
+                      how_to_fix: str = PREPARE_TOGETHER) -> LaggedOptimizer:
+    """Re-point `optimizer` to the optimizer copies of one of `engines` and wrap it lagged. `how_to_fix` ends the
+    error for an optimizer over other tensors (the Trainer says what to pass as `optimizers=`).
 
     See [Note: optimizer re-pointing].
     """
@@ -46,9 +52,8 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe]
     maps = {id(e): optimizer_copy_map(e) for e in engines}
     owners = [e for e in engines if any(id(p) in maps[id(e)] for p in params)]
     if not owners:
-        raise ValueError("the optimizer holds no parameter of a RoundPipe model prepared by this accelerator. Build "
-                         "the optimizer over `model.parameters()` and prepare both together: "
-                         "`model, optimizer = accelerator.prepare(model, optimizer)`.")
+        raise ValueError(f"the optimizer holds no parameter of a RoundPipe model prepared by this accelerator. "
+                         f"{how_to_fix}")
     if len(owners) > 1:
         raise ValueError("one optimizer spans the parameters of several RoundPipe models; give each model its own "
                          "optimizer (each engine steps its optimizer on its own thread).")
@@ -58,7 +63,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe]
     if foreign:
         raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the RoundPipe "
                          f"model it steps (first shape: {tuple(foreign[0].shape)}); build the optimizer over that "
-                         f"model's parameters only.")
+                         f"model's parameters only. {how_to_fix}")
     new_of_old: dict[int, nn.Parameter] = {}
     for group in optimizer.param_groups:
         kept, kept_ids = [], set()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import send_to_device
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from ..models import CausalLMRoundPipe
@@ -35,6 +35,7 @@ from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engin
 from .convert import engine_of
 from .grad_norm import LateGradNorm
 from .staged_checkpoint import staged
+from .traces import write_traces
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
 from .trl import refuse_adapter_toggled_reference
 
@@ -66,6 +67,33 @@ def check_training_args(args) -> None:
     args._n_gpu = min(args.n_gpu, 1)
 
 
+def check_batch_against_microbatches(args, plugin) -> None:
+    """A training batch smaller than `num_microbatches` on every step is a setting mistake
+    ([Note: short batches]): say so before training starts, not at the second step."""
+    requested, rows = plugin.num_microbatches, args.per_device_train_batch_size
+    if requested is not None and rows < requested:
+        raise ValueError(f"per_device_train_batch_size={rows} is smaller than num_microbatches={requested} "
+                         f"(--roundpipe_num_microbatches, env ROUNDPIPE_NUM_MICROBATCHES): every micro-batch needs a "
+                         f"row of the batch. Set num_microbatches to at most {rows}, or per_device_train_batch_size "
+                         f"to at least {requested}.")
+
+
+WRONG_TRAINER_OPTIMIZER = (
+    "The optimizer passed as `optimizers=(optimizer, scheduler)` must be built over the parameters of the model "
+    "passed as `model=` (e.g. `torch.optim.AdamW(model.parameters(), lr=...)`, before the Trainer is built); or "
+    "leave `optimizers` unset and the Trainer builds one from `optim` and `learning_rate`.")
+
+
+def summary_notes(args) -> dict[str, str]:
+    """What the engine's start summary says about the Trainer's settings."""
+    if args.max_grad_norm and args.max_grad_norm > 0:
+        clipping = f"max_grad_norm={args.max_grad_norm:g} (exact, this step's norm, no pipeline drain)"
+    else:
+        clipping = "off (max_grad_norm=0; the logged grad_norm is one step late)"
+    return {"clipping": clipping,
+            "gradient accumulation": f"{args.gradient_accumulation_steps} batch(es) per optimizer step"}
+
+
 class RoundPipeTrainer(Trainer):
     """`transformers.Trainer` whose model runs on RoundPipe. Takes the same arguments; `args` may be any
     `TrainingArguments` (RoundPipe settings then come from `ROUNDPIPE_*`) or a `RoundPipeTrainingArguments`."""
@@ -75,11 +103,15 @@ class RoundPipeTrainer(Trainer):
             args = RoundPipeTrainingArguments(output_dir="tmp_trainer")
         check_training_args(args)
         self.roundpipe_plugin = plugin_from_training_args(args)
+        check_batch_against_microbatches(args, self.roundpipe_plugin)
         self._late_grad_norm: LateGradNorm | None = None
         # Not `_metrics`: TRL's trainers, which may sit on top of this class, keep their own `_metrics` dict.
         self._roundpipe_metrics: MetricsWindow | None = None
         self._staging_run_dir: str | None = None  # while a checkpoint is written ([Note: staged checkpoints])
         super().__init__(model, args, *more, **kwargs)
+        self.accelerator.roundpipe_summary_notes = summary_notes(self.args)
+        self.accelerator.roundpipe_optimizer_hint = WRONG_TRAINER_OPTIMIZER
+        self.add_callback(_WriteTraceAtTrainEnd())
 
     @property
     def roundpipe_engine(self):
@@ -128,22 +160,30 @@ class RoundPipeTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Training logs gain `roundpipe/tokens_per_s`, `roundpipe/host_rss_gib`, with a GPU `roundpipe/gpu_peak_gib`,
-        with `peak_tflops` `roundpipe/mfu` and with a trace `roundpipe/bubble`, measured since the previous log
-        (added here, before the Trainer hands the logs to its history and reporters)."""
+        with `peak_tflops` `roundpipe/mfu` and with a trace `roundpipe/bubble`, measured since the previous log (the
+        first since the first training step), added here, before the Trainer hands the logs to its history and its
+        `report_to` reporters (TensorBoard shows them as `train/roundpipe/...`)."""
         engine = self.roundpipe_engine
         if engine is not None and "loss" in logs:
-            if self._roundpipe_metrics is None or self._roundpipe_metrics.engine is not engine:
-                peak = engine.config.peak_tflops
-                self._roundpipe_metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
-                                              peak * 1e12 * len(engine.devices) if peak else None)
-            else:
+            if self._metrics_window(engine):
                 logs = {**logs, **self._roundpipe_metrics.sample()}
         super().log(logs, *args, **kwargs)
+
+    def _metrics_window(self, engine) -> bool:
+        """Measure from now on for `engine`; True when a window was already open (so it has rates to give)."""
+        if self._roundpipe_metrics is not None and self._roundpipe_metrics.engine is engine:
+            return True
+        peak = engine.config.peak_tflops
+        self._roundpipe_metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
+                                      peak * 1e12 * len(engine.devices) if peak else None)
+        return False
 
     # ------------------------------------------------------------------ training step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         engine = self.roundpipe_engine
+        if engine is not None:
+            self._metrics_window(engine)  # the first log's rates start at the first step
         accepts_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_ga is None:
@@ -263,3 +303,12 @@ class RoundPipeTrainer(Trainer):
     def _load_best_model(self) -> None:
         with self._reloading_weights():
             super()._load_best_model()
+
+
+class _WriteTraceAtTrainEnd(TrainerCallback):
+    """Writes the engine's timeline trace when `train()` ends (when recording: [Note: trace at exit])."""
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        engine = engine_of(model)
+        if engine is not None:
+            write_traces([engine])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import subprocess
 import sys
@@ -150,14 +151,40 @@ def simulate_command(argv: list[str]) -> None:
     simulate_main(argv)
 
 
+COMMANDS = {
+    "config": (config_command, "write an accelerate config file with a `roundpipe:` section (`launch` reads it)"),
+    "launch": (launch_command, "run an unedited Trainer or Accelerate script on RoundPipe: `accelerate launch` "
+                               "arguments plus --roundpipe"),
+    "simulate": (simulate_command, "bubble ratios of RoundPipe and the classic schedules for a model (no GPU)"),
+}
+
+
+def usage() -> str:
+    """The command's help: what each subcommand does and how to get its options."""
+    lines = ["usage: accelerate-roundpipe {config,launch,simulate} [ARGS ...]", "",
+             "RoundPipe pipeline training underneath Hugging Face Accelerate and transformers.Trainer.", "",
+             "commands:"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "examples:"]
+    lines += [line.replace("    ", "  ", 1) for line in __doc__.splitlines() if line.startswith("    accelerate-")]
+    lines += ["", "`accelerate-roundpipe COMMAND --help` lists a command's options. Without the command:",
+              "  python -m accelerate_roundpipe.run script.py ARGS   (settings from ROUNDPIPE_* variables)",
+              "Every setting, its variable and its default: docs/configuration.md."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"config": config_command, "launch": launch_command, "simulate": simulate_command}
-    if not argv or argv[0] not in commands:
-        print(__doc__.strip().split("\n\n")[0] + "\n\n" + "\n".join(
-            line for line in __doc__.splitlines() if line.startswith("    accelerate-roundpipe")))
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    commands[argv[0]](argv[1:])
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"accelerate-roundpipe: unknown command {argv[0]!r}{hint}; the commands are "
+              f"{', '.join(COMMANDS)}.\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ makes the results independent of thread timing.
 
 from __future__ import annotations
 
+import time
+
 from ..config import RoundPipeConfig
 from ..plan.partition import Partition
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
@@ -63,6 +65,14 @@ class Dispatcher:
             done.get(self.failure)
         self._inflight.clear()
 
+    def wait_tasks_left_workers(self, timeout_s: float = 10.0) -> None:
+        """After `wait_inflight`: wait until every worker thread is past its last task, so its trace span is
+        recorded (a task's commit thread may set `done` while the worker still closes the span)."""
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers or []:
+            while worker.num_left < worker.num_queued and worker.thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
     def _saved_input_readers(self, tasks: list[Task], mode: Mode) -> dict[tuple[int, int], int]:
         """(round, layer) -> the device whose task will read that layer's saved input ([Note: saved inputs]).
         A forward-only pass (`model(...)`) does not know its backward schedule yet: with one device it is that one."""
@@ -107,6 +117,7 @@ class Dispatcher:
             previous[task.round_index] = outputs
             jobs.append(job)
             self._inflight.append(job.done)
+            self.workers[task.device_index].num_queued += 1
             self.workers[task.device_index].queue.put(job)
         state.outputs = [f for r in sorted(previous) for f in previous[r]]
         self.next_device = (tasks[-1].device_index + 1) % len(self.devices)

@@ -22,7 +22,8 @@ from ..plan.layer_costs import LayerCosts
 from ..plan.partition import Partition, plan_partition
 from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
-from ..telemetry.trace import TraceRecorder, maybe_span
+from ..telemetry.summary import announce, engine_summary
+from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
@@ -118,6 +119,10 @@ class RoundPipe(nn.Module):
             logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "
                         "to choose the allocator settings yourself).")
         pin = self.config.pin_memory if self.config.pin_memory is not None else uses_cuda
+        if pin and not torch.cuda.is_available():
+            raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
+                             "and this machine has none. Set pin_memory=False (ROUNDPIPE_PIN_MEMORY=0) or leave it "
+                             "unset.")
         names = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
@@ -130,6 +135,8 @@ class RoundPipe(nn.Module):
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._num_passes = 0
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
+        # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
+        self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
         self._plan = MeasuredPlan(self.config, self.devices, self._store)  # [Note: measured plan]
         # `allow_short_batches`: see [Note: short batches].
         self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
@@ -141,6 +148,8 @@ class RoundPipe(nn.Module):
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
         self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
+        # Lines the integrations add to the start summary (e.g. "clipping"), which the engine cannot know itself.
+        self.summary_notes: dict[str, str] = {}
 
     # ------------------------------------------------------------------ parameters
 
@@ -169,6 +178,11 @@ class RoundPipe(nn.Module):
         """Per-layer costs measured on the first training pass ([Note: measured plan]); None before, or with a
         static plan."""
         return self._plan.layer_costs
+
+    @property
+    def host_store(self) -> HostStore:
+        """Every parameter, its optimizer copy and its gradient, in flat per-layer buffers on the host."""
+        return self._store
 
     @property
     def optimizer(self) -> LaggedOptimizer | None:
@@ -319,6 +333,8 @@ class RoundPipe(nn.Module):
             try:
                 if self._failure.error is None:
                     self.synchronize()
+                    if self.trace is not None:
+                        self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
             finally:
                 if self._failure.error is None:
                     self._torn_hook.remove()  # nothing can be torn; the user's module outlives the engine
@@ -328,14 +344,27 @@ class RoundPipe(nn.Module):
                 self._background.stop(join_timeout_s=None)
                 self._store.memory.release()
                 if self.trace is not None:
-                    self.trace.save()
+                    self._write_trace()
+
+    @property
+    def closed(self) -> bool:
+        """`close()` ran (or the engine was abandoned): it cannot be used any more."""
+        return self._failure.closed
 
     def save_trace(self, path: str | None = None) -> str:
         """Write the timeline recorded so far (Chrome/Perfetto JSON); needs `trace_path` (env ROUNDPIPE_TRACE)."""
         if self.trace is None:
             raise RuntimeError("no trace is being recorded: set RoundPipeConfig(trace_path=...) or ROUNDPIPE_TRACE.")
         self.synchronize()
-        return self.trace.save(path)
+        self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
+        return self._write_trace(path)
+
+    def _write_trace(self, path: str | None = None) -> str:
+        written = self.trace.save(path)
+        if self._failure.closed:
+            self._trace_saver.detach()  # closed: nothing more is recorded, nothing left for the exit
+        announce(f"trace written to {written} (open it in https://ui.perfetto.dev)", self.config.resolved_summary)
+        return written
 
     def engine_state(self) -> dict[str, int]:
         """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
@@ -398,6 +427,7 @@ class RoundPipe(nn.Module):
                         "optimizer also writes the compute copies the devices use.")
         if self._dispatch.start_workers(self._seed):
             self._finalizer = weakref.finalize(self, self._background.abandon)
+            announce(engine_summary(self), self.config.resolved_summary)
         self._dispatch.forget_finished()
 
     def _release_writebacks(self) -> None:

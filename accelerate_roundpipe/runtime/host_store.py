@@ -208,8 +208,10 @@ class HostStore:
             groups.setdefault((tuple(users[pid]), p.requires_grad, param_dtype or p.dtype), []).append(p)
 
         entries = [(p.numel(), param_dtype or p.dtype, p.requires_grad) for p in params.values()]
-        host_budget.warn_if_short(host_budget.store_bytes(entries, lambda d: optimizer_dtype_for(d, optimizer_dtype)),
-                                  freed=sum(p.numel() * p.element_size() for p in params.values()))
+        # What the store will hold with AdamW state (the engine's start summary shows it too).
+        self.estimated_bytes = host_budget.store_bytes(entries, lambda d: optimizer_dtype_for(d, optimizer_dtype))
+        freed = sum(p.numel() * p.element_size() for p in params.values())
+        host_budget.warn_if_short(self.estimated_bytes, freed=freed)
 
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)

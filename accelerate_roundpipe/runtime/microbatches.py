@@ -59,7 +59,9 @@ class MicrobatchPolicy:
     shorter batch of every epoch (`drop_last=False`), so an 8-micro-batch run would stop at the first epoch end
     with a 5-row batch: for the models it prepares, the integration (`integrations/convert.py`) passes
     `allow_short_batches=True`, and such a batch runs with as many micro-batches as it has rows, with one warning per
-    engine.
+    engine. Only the last batch of an epoch is short: two short training batches in a row mean every batch is
+    (a batch size below `num_microbatches`, or a data set smaller than one batch), and the second is the error
+    above. The Trainer checks its batch size against `num_microbatches` before training starts.
     """
 
     def __init__(self, config: RoundPipeConfig, num_devices: int, plan: MeasuredPlan,
@@ -69,6 +71,7 @@ class MicrobatchPolicy:
         self.plan = plan
         self.allow_short_batches = allow_short_batches
         self._warned_short_batch = False
+        self._last_was_short = False  # the previous training batch had fewer rows than num_microbatches
 
     def split(self, inputs: tuple[torch.Tensor, ...], strict: bool = True) -> tuple[int, int, list[tuple]]:
         """Split into micro-batches. `strict=False` (forward-only passes, e.g. evaluation or generation of a
@@ -84,16 +87,22 @@ class MicrobatchPolicy:
             raise ValueError(f"the batch is empty (inputs of shapes {[tuple(x.shape) for x in inputs]}): every pass "
                              f"needs at least one row; skip empty batches before calling the engine.")
         requested = self.config.num_microbatches
-        if requested is not None and rows < requested and strict:
-            if not self.allow_short_batches:
+        short = requested is not None and rows < requested
+        if short and strict:
+            # [Note: short batches]: the last batch of an epoch may be short, two in a row may not.
+            if not self.allow_short_batches or self._last_was_short:
+                again = " (the second short batch in a row: not just the last batch of an epoch)" \
+                    if self.allow_short_batches else ""
                 raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
-                                 f"{requested}; every micro-batch needs a row. Set num_microbatches to at most {rows} "
-                                 f"or use a batch of at least {requested} rows.")
+                                 f"{requested}{again}; every micro-batch needs a row. Set num_microbatches to at most "
+                                 f"{rows} or use batches of at least {requested} rows.")
             if not self._warned_short_batch:
                 logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
-                               "running it as %d micro-batches (typically the last batch of an epoch). Shown once.",
-                               rows, requested, rows)
+                               "running it as %d micro-batches, as the last batch of an epoch. A second short batch "
+                               "in a row is an error. Shown once.", rows, requested, rows)
                 self._warned_short_batch = True
+        if strict:
+            self._last_was_short = short
         num_mb = self.count_for(rows)
         return rows, num_mb, split_rows(inputs, num_mb)
 

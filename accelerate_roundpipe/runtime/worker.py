@@ -109,6 +109,10 @@ class Worker:
         self._task_ends: collections.deque = collections.deque()
         self._interpreters = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused,
                               TaskKind.BACKWARD: self._backward_task}
+        # Tasks put in the queue (by the caller) and tasks this thread is done with, span recorded: a task's `done`
+        # may be set by its commit thread a moment before that (see `Dispatcher.wait_tasks_left_workers`).
+        self.num_queued = 0
+        self.num_left = 0
 
     def start(self) -> None:
         self.grad_commits.start()
@@ -158,6 +162,7 @@ class Worker:
                                                  job.schedule_index))
                 self.failure.fail(error, where)
             finally:
+                self.num_left += 1  # this thread's only write; the caller only reads it
                 if not committing:
                     job.done.set(True)
 

@@ -1,4 +1,4 @@
-"""What the pipeline did: timeline traces (more metrics arrive with the telemetry issue)."""
+"""What the pipeline did: timeline traces, live metrics, the start summary."""
 
 from .trace import TraceRecorder, maybe_span
 

@@ -1,7 +1,9 @@
 """Timeline recording: every worker's tasks (host side and, on CUDA, the compute stream), gradient commits, the
 optimizer thread and the caller, written as a Chrome/Perfetto trace (open it in https://ui.perfetto.dev).
 
-Off by default: the engine then holds no recorder and every hook is a `None` check. On CUDA, GPU time comes from
+Off by default: the engine then holds no recorder and every hook is a `None` check. When recording, the trace is
+written at the end of training (`Trainer.train()`, `accelerator.end_training()`), at `close()` and `save_trace()`,
+and otherwise when the engine is freed or the process exits ([Note: trace at exit]). On CUDA, GPU time comes from
 events recorded on the compute stream around each task, converted to the host clock at save time (one event pair
 anchors the two clocks), so recording never synchronises the device while the pipeline runs.
 """
@@ -10,14 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .summary import announce
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +45,7 @@ class TraceRecorder:
         self._anchors: dict[str, tuple[Any, float]] = {}  # device -> (event, host time at record)
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
+        self._saved_count = 0  # spans in the file last written to `self.path`
 
     @contextlib.contextmanager
     def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
@@ -60,6 +69,16 @@ class TraceRecorder:
     def add_cuda_span(self, track: str, name: str, device: torch.device, start_event, end_event) -> None:
         with self._lock:
             self._cuda.append((track, name, str(device), start_event, end_event))
+
+    @property
+    def num_spans(self) -> int:
+        with self._lock:
+            return len(self._spans) + len(self._cuda)
+
+    @property
+    def has_unsaved_spans(self) -> bool:
+        """Spans were recorded since the trace was last written to `self.path`."""
+        return self.num_spans > self._saved_count
 
     def spans(self) -> list[_Span]:
         """Every span so far, GPU spans converted to the host clock (synchronises their events)."""
@@ -92,12 +111,44 @@ class TraceRecorder:
         target = os.fspath(path) if path is not None else self.path
         directory = os.path.dirname(os.path.abspath(target))
         os.makedirs(directory, exist_ok=True)
+        count = self.num_spans
         tmp = f"{target}.tmp"
         with open(tmp, "w") as f:
             json.dump(self.to_chrome(), f)
         os.replace(tmp, target)  # never leave a half-written trace
+        if path is None:
+            self._saved_count = count
         return target
 
 
 def maybe_span(recorder: TraceRecorder | None, track: str, name: str, **args: Any):
     return recorder.span(track, name, **args) if recorder is not None else contextlib.nullcontext()
+
+
+def save_when_freed(owner: object, recorder: TraceRecorder, announce_path: bool) -> weakref.finalize:
+    """Write `recorder`'s trace when `owner` (the engine) is freed or the process exits; call the returned
+    finalizer's `detach()` once the trace was written otherwise.
+
+    [Note: trace at exit]
+    The ways in never call `close()`: a Trainer, a stock Accelerate loop or a launched script just end, so a trace
+    written only at `close()` was never written. The end-of-training hooks (the Trainer's `on_train_end`,
+    `accelerator.end_training()`) write the whole trace after synchronizing; this finalizer is the fallback for
+    everything else. It holds the recorder, never the engine (a finalizer holding its object would keep it alive
+    forever), and writes what was recorded without waiting for work in flight: at exit, a step may wait for
+    gradients of a pass nobody will back-propagate. Created with the engine, before its threads' finalizer, it runs
+    after that one at exit (finalizers run in reverse order of creation), once the threads have stopped adding spans.
+    It writes only when spans were recorded since the last write (e.g. an evaluation after training), so a run whose
+    training end wrote the trace is not written twice.
+    """
+    return weakref.finalize(owner, _save_quietly, recorder, announce_path)
+
+
+def _save_quietly(recorder: TraceRecorder, announce_path: bool) -> None:
+    if not recorder.has_unsaved_spans:
+        return  # the end of training wrote it, and nothing ran since
+    try:
+        path = recorder.save()
+    except Exception as error:  # at exit nobody can catch it; say what was lost instead
+        logger.warning("RoundPipe could not write its trace to %s: %s", recorder.path, error)
+        return
+    announce(f"trace written to {path} (open it in https://ui.perfetto.dev)", announce_path)

@@ -3,12 +3,17 @@ fall. Everything is local: the model is built from a config, the tokenizer is tr
 GPUs are used when present (every visible one, as RoundPipe workers); otherwise two CPU workers.
 
     python -m accelerate_roundpipe.tiny.train [--max_steps 160] [--devices cpu,cpu] [--output_dir DIR]
+
+The trained model (weights, config, tokenizer) is saved to `--output_dir` (default: a new temporary directory) and
+the job prints where; nothing else is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import tempfile
 import time
 
@@ -26,12 +31,35 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--devices", default=None, help="RoundPipe workers, e.g. cuda:0,cuda:1 or cpu,cpu "
                                                         "(default: every GPU, else cpu,cpu)")
     parser.add_argument("--num_microbatches", type=int, default=4)
-    parser.add_argument("--output_dir", default=None, help="default: a temporary directory")
+    parser.add_argument("--output_dir", default=None, help="where the trained model is saved (default: a new "
+                                                           "temporary directory, printed at the end)")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args = parse_args(argv)
+    with _no_empty_compile_cache():
+        return _train(args)
+
+
+@contextlib.contextmanager
+def _no_empty_compile_cache():
+    """Importing `transformers.Trainer` imports `torch._dynamo`, which creates torch's compile cache directory
+    (`torchinductor_<user>`) in the temporary directory; this job compiles nothing, so it would be left there
+    empty. Removed afterwards only when this run created it and it is still empty."""
+    temp = tempfile.gettempdir()
+    before = set(os.listdir(temp))
+    try:
+        yield
+    finally:
+        for name in set(os.listdir(temp)) - before:
+            path = os.path.join(temp, name)
+            if name.startswith("torchinductor_") and os.path.isdir(path) and not os.listdir(path):
+                with contextlib.suppress(OSError):  # someone else's, filled meanwhile: keep it
+                    os.rmdir(path)
+
+
+def _train(args) -> dict[str, float | str]:
     from transformers import LlamaForCausalLM, PrinterCallback, set_seed
 
     from ..integrations import RoundPipeTrainer, RoundPipeTrainingArguments
@@ -69,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     first, last = printer.losses[0], printer.losses[-1]
     print(f"trained {args.max_steps} steps in {elapsed:.1f} s: loss {first:.3f} -> {last:.3f}; held-out loss "
           f"{eval_loss:.3f} (perplexity {math.exp(eval_loss):.1f}, vocabulary {len(tokenizer)})")
+    trainer.save_model(output_dir)  # the newest weights (the lagged step is flushed first), config and tokenizer
+    print(f"model saved to {output_dir} (LlamaForCausalLM.from_pretrained({output_dir!r}) loads it)")
     model.eval()
     prompt = tokenizer("The river", return_tensors="pt")
     with torch.no_grad():
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     engine.close()
     if not last < first:
         raise SystemExit("training did not reduce the loss")
-    return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss}
+    return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "output_dir": output_dir}
 
 
 def _loss_printer():

@@ -115,3 +115,29 @@ def test_install_and_uninstall_swap_the_names():
         assert Trainer.__name__ == "RoundPipeTrainer" and issubclass(Trainer, original_trainer)
         assert TrainingArguments.__name__ == "RoundPipeTrainingArguments"
     assert accelerate.Accelerator is original_accelerator and transformers.Trainer is original_trainer
+
+
+def test_unknown_command_says_so_and_suggests_the_closest(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lauch", "script.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accelerate-roundpipe: unknown command 'lauch' (did you mean 'launch'?); the commands "
+                          "are config, launch, simulate.")
+    assert "usage: accelerate-roundpipe {config,launch,simulate}" in err
+    with pytest.raises(SystemExit):
+        cli.main(["bogus"])
+    assert "unknown command 'bogus'; the commands are" in capsys.readouterr().err
+
+
+def test_help_describes_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name, (_, text) in cli.COMMANDS.items():
+        assert f"  {name:<9} {text}" in out
+    assert "accelerate-roundpipe COMMAND --help" in out and "python -m accelerate_roundpipe.run" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2 and "usage: accelerate-roundpipe" in capsys.readouterr().out

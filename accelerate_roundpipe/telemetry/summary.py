@@ -1,0 +1,86 @@
+"""The engine's start summary: one block on stderr, when the first pass starts, saying that RoundPipe is on and how
+it will run (devices, plan, micro-batches, recompute, optimizer, clipping, host memory, trace).
+
+Printed to stderr rather than logged: Hugging Face scripts leave Python logging at WARNING (transformers' own
+verbosity is "warning" by default, and `run_clm`-style scripts configure the root logger without lowering it), so an
+`info` line would not reach the users it is for, and a warning would cry wolf. `ROUNDPIPE_SUMMARY=0` (or
+`summary=False`) turns it off, together with the "trace written to" lines.
+
+The engine is read duck-typed (`devices`, `layers`, `partition`, `config`, `optimizer`, `host_store`,
+`summary_notes`): telemetry sits below the runtime and imports nothing from it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PREFIX = "[roundpipe] "
+
+
+def announce(text: str, enabled: bool = True) -> None:
+    """Print `text` to stderr, every line prefixed, when `enabled` (the engine's `summary` setting)."""
+    if enabled:
+        print("\n".join(PREFIX + line for line in text.splitlines()), file=sys.stderr, flush=True)
+
+
+def _microbatches(config, num_devices: int) -> str:
+    if config.num_microbatches is not None:
+        count = f"{config.num_microbatches} per pass (num_microbatches)"
+    elif config.resolved_plan == "measured":
+        count = (
+            f"{2 * num_devices} per pass (2 x devices) on the first pass, then the measured plan's choice "
+            f"(num_microbatches to fix it)"
+        )
+    else:
+        count = f"{2 * num_devices} per pass (2 x devices; num_microbatches to change it), at most one per row"
+    rounds = (
+        f"{config.microbatches_per_round} per round"
+        if config.microbatches_per_round is not None
+        else "all in one round"
+    )
+    return f"{count}, {rounds}"
+
+
+def _optimizer(engine) -> str:
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return "none wrapped yet (engine.wrap_optimizer or accelerator.prepare)"
+    name = type(optimizer.inner).__name__
+    if not optimizer.async_step:
+        return f"{name}, exact step (sync; async_optimizer=true for the lagged one)"
+    warmup = f", the first {optimizer.exact_steps_first} exact" if optimizer.exact_steps_first else ""
+    return f"{name}, lagged one step (async, staleness 1{warmup})"
+
+
+def _dtypes(store) -> str:
+    compute = sorted({str(b.compute.dtype).removeprefix("torch.") for b in store.buckets})
+    optim = sorted({str(b.optim.dtype).removeprefix("torch.") for b in store.buckets if b.optim is not None})
+    return f"compute {'/'.join(compute)}, optimizer {'/'.join(optim) or '-'}"
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def engine_summary(engine) -> str:
+    """The start summary of `engine`, as lines of text (see the module docstring)."""
+    config, store = engine.config, engine.host_store
+    devices = ", ".join(str(d.device) for d in engine.devices)
+    plan = config.resolved_plan
+    replan = " (re-planned from the first pass's measured costs)" if plan == "measured" else ""
+    lines = [
+        f"RoundPipe is on: {len(engine.devices)} worker(s) ({devices}), {len(engine.layers)} pipeline layers",
+        f"  plan: {plan}, {engine.partition}{replan}",
+        f"  micro-batches: {_microbatches(config, len(engine.devices))}; recompute: {config.resolved_recompute}",
+        f"  optimizer: {_optimizer(engine)}",
+    ]
+    lines += [f"  {name}: {value}" for name, value in engine.summary_notes.items()]
+    lines += [
+        f"  host memory: about {_size(store.estimated_bytes)} for the store ({_dtypes(store)}, with AdamW state), "
+        f"pinned: {'yes' if store.pin_memory else 'no'}",
+        f"  trace: {config.trace_path} (written at the end of training and at exit)"
+        if config.trace_path
+        else "  trace: off (ROUNDPIPE_TRACE=path.json records one)",
+        "  (ROUNDPIPE_SUMMARY=0 hides this summary)",
+    ]
+    return "\n".join(lines)
