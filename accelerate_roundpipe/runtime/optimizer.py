@@ -5,10 +5,10 @@
 optimizer copies. With `async_optimizer=True` (top layers first, the order their gradients become final) the
 write-back into the compute copy is held until the next iteration has reserved its reads, so iteration k computes
 with the weights after steps 0..k-2 (staleness 1) while step k-1 runs beside it. With it off (the exact step),
-iteration k waits, per bucket, for step k-1 and reads the optimizer copy itself ([Note: exact step order], [Note:
-exact step without write-back]). Either way the per-bucket tickets of [Note: per-layer events] keep every read and
-write in order; `synchronize()` writes what is held or stale into the compute copies, so `engine.module` then
-shows the newest weights.
+iteration k waits, per bucket, for step k-1 and reads the optimizer copy itself (see [Note: exact step order] and
+[Note: exact step without write-back]). Either way the per-bucket tickets of [Note: per-layer events] keep every
+read and write in order; `synchronize()` writes what is held or stale into the compute copies, so `engine.module`
+then shows the newest weights.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
-        self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back ([Note: exact step ...])
+        self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
         self._clip: StepNorm | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
         prefer_fused(inner)
