@@ -49,7 +49,7 @@ def test_a_model_that_cannot_be_split(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"nn\.Sequential.*|without RoundPipe") as error:
         accelerator.prepare(NotADecoder())
     assert "without RoundPipe" in str(error.value) and "nn.Sequential" in str(error.value)
-    assert "the stock Accelerator/Trainer. To run this model anyway" in str(error.value)  # was "Trainer.. To run"
+    assert "the stock Accelerator or Trainer. To run this model anyway" in str(error.value)  # was "Trainer.. To run"
     assert ".." not in str(error.value)
 
 

@@ -25,7 +25,7 @@ from ..runtime import RoundPipe
 # Weak both ways: a model keeps its engine alive through its patched methods, not through this table.
 _engines: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
-# No final period: `UnsupportedModelError` puts the sentence after it ("... the stock Accelerator/Trainer. To run").
+# One sentence with its full stop: `UnsupportedModelError` appends the next one after a space.
 HOW_TO_TURN_OFF = ("To train this model without RoundPipe, run the script without the RoundPipe launcher "
                    "(`python script.py` / plain `accelerate launch`) or use the stock Accelerator or Trainer.")
 
