@@ -26,6 +26,9 @@ import torch
 from ..runtime import RoundPipe
 
 OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
+# The weights the next pass computes with under the lagged step, one step older than the saved model
+# ([Note: looking changes nothing]): a resume then follows the uninterrupted run exactly.
+LAGGED_WEIGHTS_FILE = "roundpipe_lagged_weights{suffix}.safetensors"
 ENGINE_STATE_FILE = "roundpipe_engine_state{suffix}.json"
 
 
@@ -66,13 +69,16 @@ def has_low_precision_compute(engine: RoundPipe) -> bool:
 def save_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> None:
     """Write what an exact resume needs beyond weights and optimizer state: the engine's RNG/dispatch state, and
     the trainable optimizer copies when the model weights alone would lose precision."""
+    from safetensors.torch import save_file
+
     engine.synchronize()
     with open(os.path.join(directory, ENGINE_STATE_FILE.format(suffix=suffix)), "w") as f:
         json.dump(engine.engine_state(), f)
+    lagged = engine.lagged_weights()
+    if lagged:
+        save_file(lagged, os.path.join(directory, LAGGED_WEIGHTS_FILE.format(suffix=suffix)))
     if not has_low_precision_compute(engine):
         return
-    from safetensors.torch import save_file
-
     tensors = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
     save_file(tensors, os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix)))
 
@@ -83,11 +89,14 @@ def load_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> N
     if os.path.isfile(state_path):
         with open(state_path) as f:
             engine.load_engine_state(json.load(f))
+    from safetensors.torch import load_file
+
     path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
     if os.path.isfile(path):
-        from safetensors.torch import load_file
-
         engine.load_optimizer_copies(load_file(path))
+    path = os.path.join(directory, LAGGED_WEIGHTS_FILE.format(suffix=suffix))
+    if os.path.isfile(path):  # last: loading weights forgets what the next pass would have computed with
+        engine.load_lagged_weights(load_file(path))
 
 
 def refresh_optimizer_copies(engine: RoundPipe) -> None:

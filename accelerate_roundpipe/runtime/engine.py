@@ -280,9 +280,12 @@ class RoundPipe(nn.Module):
         state = PassState(self._new_pass_index(), Mode.FORWARD, self._modules["module"].training,
                           [x[0].shape[0] for x in mb_inputs], saved)
         state.input_dtypes = _floating_dtypes(inputs)
+        if not keep_for_backward:  # evaluation, prediction, generation: every step taken, and looking changes nothing
+            state.reads_newest = True
+            if self.optimizer is not None and self.optimizer.has_held_steps:
+                self._dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
+                self.optimizer.show_newest()
         self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
-        if not keep_for_backward:
-            self._release_writebacks()
         pieces = [f.take(self._failure).host() for f in state.outputs]
         outputs = []
         for k in range(len(pieces[0])):
@@ -318,8 +321,6 @@ class RoundPipe(nn.Module):
         """Wait for every task and optimizer step; then `self.module` holds the newest weights and `p.grad` of
         `self.parameters()` the accumulated gradients."""
         self._failure.check()
-        if self.optimizer is not None:
-            self.optimizer.release_writebacks()
         self._dispatch.wait_inflight()
         self._deferred.wait_idle()
         if self.optimizer is not None:
@@ -387,6 +388,8 @@ class RoundPipe(nn.Module):
         """Load full-precision weights (named as in `named_parameters()`) into the optimizer copies, and the
         compute copies from them: unlike `load_state_dict`, nothing is rounded through the compute dtype."""
         self.synchronize()
+        if self.optimizer is not None:
+            self.optimizer.forget_stashes()
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if p.requires_grad and name in tensors:
@@ -395,6 +398,29 @@ class RoundPipe(nn.Module):
                 bucket.compute.copy_(bucket.optim)
                 bucket.optim_version_seen = bucket.optim._version
                 bucket.steps.compute = bucket.steps.optim
+
+    def lagged_weights(self) -> dict[str, torch.Tensor]:
+        """With the lagged step, after a look: the compute copies the next training pass computes with (one step
+        older than `module`), by bucket index, for a checkpoint ([Note: looking changes nothing])."""
+        self.synchronize()
+        return {str(b.index): b.stash.clone() for b in self._store.buckets if b.stash is not None}
+
+    def load_lagged_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `lagged_weights()` after the model and optimizer were loaded: the next training pass computes
+        with them, as the run that saved them would have."""
+        self.synchronize()
+        if self.optimizer is None:
+            raise RuntimeError("load the lagged weights after engine.wrap_optimizer(...): they belong to its "
+                               "held step.")
+        buckets = []
+        for key, tensor in tensors.items():
+            bucket = self._store.buckets[int(key)]
+            if tensor.shape != bucket.compute.shape:
+                raise ValueError(f"lagged weights of {bucket} have shape {tuple(tensor.shape)}, expected "
+                                 f"{tuple(bucket.compute.shape)}: the checkpoint is of another model.")
+            bucket.stash = tensor.to(bucket.compute.dtype).clone()
+            buckets.append(bucket)
+        self.optimizer.hold_shown(buckets)
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
@@ -447,6 +473,8 @@ class RoundPipe(nn.Module):
             raise ValueError("load_state_dict(assign=True) would detach the module from the host store; use "
                              "assign=False.")
         self.synchronize()
+        if self.optimizer is not None:
+            self.optimizer.forget_stashes()
         result = self.module.load_state_dict(state_dict, strict=strict)
         with torch.no_grad():
             for bucket in self._store.trainable_buckets:

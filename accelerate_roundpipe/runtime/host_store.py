@@ -82,6 +82,9 @@ class Bucket:
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
     steps: StepCount = field(default_factory=lambda: StepCount())  # [Note: torn weights]
+    # The version the next training pass reads, kept aside while a look shows a lagged step's newer weights in
+    # `compute` ([Note: looking changes nothing]); dropped by the held write-back.
+    stash: torch.Tensor | None = None
 
     @property
     def current_in_optim(self) -> bool:
@@ -92,8 +95,12 @@ class Bucket:
     def current_in_optim(self, value: bool) -> None:
         self.steps.current_in_optim = value
 
-    def current(self) -> torch.Tensor:
-        """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket)."""
+    def current(self, newest: bool = False) -> torch.Tensor:
+        """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket); with
+        `newest` (an evaluation pass), the compute copy a look has filled with the newest weights instead of the
+        stashed older version the next training pass reads ([Note: looking changes nothing])."""
+        if self.stash is not None and not newest:
+            return self.stash
         return self.optim if self.current_in_optim else self.compute
 
     def __str__(self) -> str:

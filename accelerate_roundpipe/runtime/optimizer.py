@@ -189,6 +189,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 bucket.compute.copy_(bucket.optim)
             bucket.steps.compute = bucket.steps.optim
             bucket.current_in_optim = False
+            bucket.stash = None  # the pass that read it has read it ([Note: looking changes nothing])
         finally:
             bucket.reads.end_write(ticket)
 
@@ -314,10 +315,50 @@ class LaggedOptimizer(torch.optim.Optimizer):
         if self._deferred_passes is not None:
             self._deferred_passes.drop_pending()
 
+    def show_newest(self) -> None:
+        """[Note: looking changes nothing]
+        Put the newest weights in the compute copies (what `engine.module`, a checkpoint or an evaluation pass
+        reads) without changing what the next training pass reads. With the lagged step the next pass must compute
+        with the weights one step old, which the compute copies hold until the held write-back; releasing that
+        write-back early to show the newest weights (as looking did) made every run that evaluated or saved follow
+        another trajectory than one that did not. So a look waits for the held steps, keeps the compute copy's
+        older version aside (`bucket.stash`, which the next training pass's uploads read) and writes the newest
+        weights into the compute copy; the held write-back, released by the next training pass as before, drops
+        the stash. The caller makes sure nothing is reading the compute copies (no pass in flight). The stash costs
+        one compute-sized host buffer per held bucket until the next training pass."""
+        if not self.has_held_steps:
+            return
+        self.thread.wait_idle()  # the held buckets' lagged steps are done: their optimizer copies are the newest
+        with torch.no_grad():
+            for bucket in self._held_writebacks:
+                if bucket.stash is None:  # else this step is shown already
+                    bucket.stash = bucket.compute.clone()
+                    bucket.compute.copy_(bucket.optim)
+                    bucket.steps.compute = bucket.steps.optim
+
+    @property
+    def has_held_steps(self) -> bool:
+        """Lagged steps whose newest weights the compute copies do not show yet."""
+        return any(bucket.stash is None for bucket in self._held_writebacks)
+
+    def hold_shown(self, buckets: list[Bucket]) -> None:
+        """Hold the write-backs of `buckets`, whose stashes a checkpoint restored: the next training pass reads
+        the stash, then the write-back drops it, as after a look ([Note: looking changes nothing])."""
+        for bucket in buckets:
+            if bucket not in self._held_writebacks:
+                self._held_writebacks.append(bucket)
+
+    def forget_stashes(self) -> None:
+        """The compute copies were loaded from outside: the next pass reads them, not a stash."""
+        for bucket in self._held_writebacks:
+            bucket.stash = None
+
     def synchronize(self) -> None:
-        self.release_writebacks()
+        """Wait for every step and show the newest weights in the compute copies; the engine waits for the passes
+        in flight first."""
         self.write_back_stale()
         self.thread.wait_idle()
+        self.show_newest()
         self.failure.check()
 
     def close(self) -> None:

@@ -30,10 +30,11 @@ class TaskParams:
     yet: always a suffix of `tickets`.
     """
 
-    __slots__ = ("flats", "events", "pending", "tickets", "unissued", "grads", "views")
+    __slots__ = ("flats", "events", "pending", "tickets", "unissued", "grads", "views", "newest")
 
-    def __init__(self, flats: dict[int, torch.Tensor], tickets: list[tuple[int, int]]) -> None:
+    def __init__(self, flats: dict[int, torch.Tensor], tickets: list[tuple[int, int]], newest: bool = False) -> None:
         self.flats = flats
+        self.newest = newest  # an evaluation pass reads the newest weights ([Note: looking changes nothing])
         self.tickets = list(tickets)
         self.unissued = list(tickets)
         self.events: dict[int, object] = {}
@@ -71,7 +72,7 @@ class ParamResidency:
     def _allocate(self, job: TaskJob) -> TaskParams:
         indices = [b for b, _ in job.read_tickets]
         flats = self.device.empty_params([self.store.buckets[b].compute for b in indices])
-        return TaskParams(dict(zip(indices, flats)), job.read_tickets)
+        return TaskParams(dict(zip(indices, flats)), job.read_tickets, newest=job.state.reads_newest)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -96,7 +97,7 @@ class ParamResidency:
             if not batch:
                 return
             events = self.device.upload_params_into([params.flats[b] for b, _ in batch],
-                                                    [buckets[b].current() for b, _ in batch])
+                                                    [buckets[b].current(params.newest) for b, _ in batch])
             params.mark_issued(batch, events)
             if not need_more:
                 return
