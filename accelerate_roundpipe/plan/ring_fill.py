@@ -13,7 +13,7 @@ shortest simulated run (ties: fewer stages). It needs O(N^2) replays, about a mi
 
 from __future__ import annotations
 
-import math
+import sys
 import time
 
 from .layer_costs import LayerCosts
@@ -24,6 +24,8 @@ from .schedule import Mode, TaskKind, stage_sequence
 from .stage_cost_model import PlanSettings, StageCostModel
 
 F, FB, B = TaskKind.FORWARD, TaskKind.FUSED, TaskKind.BACKWARD
+# A time bound every stage that fits memory meets; `time_if_fits` gives inf (above it) to those that do not.
+_ANY_TIME = sys.float_info.max
 
 
 def simulated_makespan(partition: Partition, model: StageCostModel, iterations: int = 1) -> float:
@@ -64,13 +66,13 @@ def fill_ring(planned: PlannedPartition, costs: LayerCosts, iterations: int = 1)
     if top:
         n = settings.num_devices
         need_backward = min(n, costs.num_layers) - 1
-        fewest_f = max(len(_greedy(model, F, 0, top, math.inf, from_top=False)[0]), len(p.forward) - n + 1)
-        fewest_b = max(need_backward, len(_greedy(model, B, 0, top, math.inf, from_top=True)[0]),
+        fewest_f = max(len(_greedy(model, F, 0, top, _ANY_TIME, from_top=False)[0]), len(p.forward) - n + 1)
+        fewest_b = max(need_backward, len(_greedy(model, B, 0, top, _ANY_TIME, from_top=True)[0]),
                        len(p.backward) - n)
-        backwards = [tuple(_balanced(model, B, 0, top, num_b, math.inf, from_top=True))
+        backwards = [tuple(_balanced(model, B, 0, top, num_b, _ANY_TIME, from_top=True))
                      for num_b in range(fewest_b, min(top, len(p.backward) - 1 + n - 1) + 1)]
         for num_f in range(fewest_f, min(top, len(p.forward) + n - 1) + 1):
-            forward = tuple(_balanced(model, F, 0, top, num_f, math.inf, from_top=False))
+            forward = tuple(_balanced(model, F, 0, top, num_f, _ANY_TIME, from_top=False))
             for backward in backwards:
                 num_b = len(backward)
                 candidate = Partition(num_layers=p.num_layers, forward=forward, backward=backward + (fused,))
