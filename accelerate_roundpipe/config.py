@@ -124,6 +124,11 @@ class RoundPipeConfig:
             layer's dense MLP over chunks of this many tokens when a micro-batch has more, keeping only the MLP's
             input for the backward (see `models/tiled_mlp.py`): long sequences fit in less GPU memory for one more
             MLP forward per backward. Default: off.
+        head_shards (`int`, env `ROUNDPIPE_HEAD_SHARDS`): for Hugging Face models, cut the head (final norm,
+            lm_head, loss) into this many pipeline layers, one per vocabulary shard, carrying online-softmax
+            statistics between them (see [Note: vocabulary shards] in `models/vocab_shards.py`), so the planner can
+            spread a long-vocabulary head over several stages. Each shard still uploads the whole head weight (the
+            host store has no row-range buckets yet). Default: 1 (one head layer).
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
@@ -167,6 +172,8 @@ class RoundPipeConfig:
         "help": "Fused layer kernels for HF models: 'auto' (Liger when installed, on GPUs), 'liger', 'none'."})
     mlp_chunk_tokens: int | None = field(default=None, metadata={
         "help": "HF models: run dense MLPs over chunks of this many tokens (long sequences). Default: off."})
+    head_shards: int | None = field(default=None, metadata={
+        "help": "HF models: the head as this many vocabulary-shard pipeline layers. Default: 1 (one head layer)."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
 
@@ -189,7 +196,7 @@ class RoundPipeConfig:
             if not self.devices:
                 raise ValueError(f"devices (env {env}DEVICES) is empty; name at least one, e.g. 'cuda:0' or 'cpu'.")
         for name, least in (("num_microbatches", 1), ("microbatches_per_round", 1), ("mlp_chunk_tokens", 1),
-                            ("async_warmup_steps", 0)):
+                            ("async_warmup_steps", 0), ("head_shards", 1)):
             value = getattr(self, name)
             if value is not None:
                 value = int(value)

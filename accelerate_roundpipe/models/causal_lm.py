@@ -57,7 +57,7 @@ class CausalLMRoundPipe(RoundPipe):
                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, allow_short_batches: bool = False) -> None:
         config = config if config is not None else RoundPipeConfig()
         kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
-        split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
+        split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens, head_shards=config.head_shards or 1)
         if config.mlp_chunk_tokens is not None:
             tile_mlps([layer.decoder_layer for layer in split.layers if hasattr(layer, "decoder_layer")],
                       config.mlp_chunk_tokens)

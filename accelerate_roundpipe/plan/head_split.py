@@ -30,9 +30,10 @@ _WHOLE_PER_SHARD = ("input_bytes", "act_bytes")
 
 
 def split_head_costs(costs: LayerCosts, num_head_shards: int) -> LayerCosts:
-    """`costs` with its last layer (the head) replaced by `num_head_shards` equal vocabulary shards ([Note: split
-    head]): each shard takes 1/K of the head's times and of its parameter, gradient and working bytes (the logits of
-    a loss chunk), and reads and keeps the whole hidden state (`input_bytes` and `act_bytes` unchanged)."""
+    """`costs` with its last layer (the head) replaced by `num_head_shards` equal vocabulary shards
+    ([Note: split head]): each shard takes 1/K of the head's times and of its parameter, gradient and working bytes
+    (the logits of a loss chunk), and reads and keeps the whole hidden state (`input_bytes` and `act_bytes`
+    unchanged)."""
     if num_head_shards < 1:
         raise ValueError(f"num_head_shards must be at least 1, got {num_head_shards}.")
     if costs.num_layers < 2:
