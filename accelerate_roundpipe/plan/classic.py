@@ -216,18 +216,26 @@ def split_head_plan(num_devices: int, num_microbatches: int, costs: Sequence[flo
 def roundpipe_split_head_bubble(num_devices: int, num_microbatches: int, costs: Sequence[float], asynchronous: bool,
                                 backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST, iterations: int = 8,
                                 max_head_shards: int = 16) -> float:
-    """`roundpipe_bubble` with the head in vocabulary shards, planned by `split_head_plan`."""
+    """`roundpipe_bubble` with the head in vocabulary shards, planned by `split_head_plan`; every task takes the
+    stage cost model's time, so a shard's backward includes the recomputation of its logits
+    (`head_split.split_head_costs`)."""
+    from .ring_fill import simulated_makespan
+    from .stage_cost_model import StageCostModel
+
     split, planned = split_head_plan(num_devices, num_microbatches, costs, asynchronous, backward_ratio,
                                      max_head_shards, iterations)
-    return _roundpipe_partition_bubble(planned.partition, split.costs.forward_s, num_devices, num_microbatches,
-                                       asynchronous, backward_ratio, iterations)
+    runs = iterations if asynchronous else 1
+    makespan = simulated_makespan(planned.partition, StageCostModel(split.costs, planned.settings), runs)
+    busy = runs * (sum(planned.forward_stage_s) + sum(planned.backward_stage_s))
+    return 1.0 - busy / (num_devices * makespan)
 
 
 def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2,
                     split_head: bool = False) -> dict:
     """Bubble ratios, in [0, 1], of every schedule for one cost profile. With `split_head` the last layer (the LM
     head) is cut into vocabulary shards: RoundPipe's planner picks their number and the stage counts
-    (`split_head_plan`), and the classic schedules get the head in as many shards as RoundPipe's sync plan."""
+    (`split_head_plan`), and the classic schedules get the head in as many shards as RoundPipe's sync plan (their
+    backward at `backward_ratio` like every layer's; RoundPipe's shards also recompute their logits)."""
     if split_head:
         shards = split_head_plan(num_devices, num_microbatches, costs, asynchronous=False)[0].num_head_shards
         classic_costs = list(costs[:-1]) + [costs[-1] / shards] * shards

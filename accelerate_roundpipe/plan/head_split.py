@@ -33,16 +33,21 @@ def split_head_costs(costs: LayerCosts, num_head_shards: int) -> LayerCosts:
     """`costs` with its last layer (the head) replaced by `num_head_shards` equal vocabulary shards
     ([Note: split head]): each shard takes 1/K of the head's times and of its parameter, gradient and working bytes
     (the logits of a loss chunk), and reads and keeps the whole hidden state (`input_bytes` and `act_bytes`
-    unchanged)."""
+    unchanged). With K > 1 a shard's backward also recomputes its logits (it keeps none: [Note: vocabulary
+    shards] in `models/vocab_shards.py`), so its `backward_s` gains its `forward_s`."""
     if num_head_shards < 1:
         raise ValueError(f"num_head_shards must be at least 1, got {num_head_shards}.")
     if costs.num_layers < 2:
         raise ValueError("splitting the head needs a model with a head and at least one layer below it.")
+    if num_head_shards == 1:
+        return costs
     values = {}
     for f in fields(costs):
         per_layer = list(getattr(costs, f.name))
         head = per_layer.pop()
         shard = head if f.name in _WHOLE_PER_SHARD else head / num_head_shards
+        if f.name == "backward_s":
+            shard += costs.forward_s[-1] / num_head_shards
         values[f.name] = per_layer + [shard] * num_head_shards
     return LayerCosts(**values)
 
