@@ -33,12 +33,34 @@ buckets over row ranges of one parameter, which the host store does not have yet
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.nn import functional
 
+from ..config import RoundPipeConfig
+from ..plan.head_split import head_shards_for
+from ..plan.shape_costs import shape_from_config
 from .head import IGNORE_INDEX, MIN_LOSS_CHUNKS, CausalLMHead
 from .router_aux import router_aux_loss
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_head_shards(config: RoundPipeConfig, model_config) -> int:
+    """`config.head_shards` as a count: 1 when unset; for "auto", the count the planner picks from the model's
+    FLOPs (`plan.head_split.head_shards_for`) for the configured devices and micro-batches per task."""
+    value = config.head_shards or 1
+    if value != "auto":
+        return value
+    num_devices = len(config.resolved_devices())
+    num_microbatches = config.num_microbatches or 2 * num_devices  # the engine's default count
+    per_task = min(config.microbatches_per_round or num_microbatches, num_microbatches)
+    count = head_shards_for(shape_from_config(model_config), num_devices, per_task)
+    logger.info("RoundPipe: head_shards='auto' cuts the head into %d vocabulary shards for %d devices.", count,
+                num_devices)
+    return count
 
 
 def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:

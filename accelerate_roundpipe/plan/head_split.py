@@ -17,9 +17,11 @@ the smallest K. The shards are then grouped into stages by the same planner as t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields
 
+from .decoder_shapes import DecoderShape, decoder_layer_flops
 from .layer_costs import LayerCosts
 from .planned_partition import PlannedPartition
 from .planner import plan_from_costs
@@ -107,3 +109,16 @@ def plan_split_head(costs: LayerCosts, settings: PlanSettings, max_head_shards: 
     _, shards, planned, split = best
     return SplitHeadPlan(num_head_shards=shards, planned=planned, costs=split, slowest_by_shards=tuple(slowest),
                          search_s=time.perf_counter() - started)
+
+
+def head_shards_for(shape: DecoderShape, num_devices: int, num_microbatches: int, seq_len: int = 4096,
+                    max_head_shards: int = 16) -> int:
+    """The shard count `plan_split_head` picks for a model of `shape` from its FLOP costs alone (`head_shards="auto"`
+    when a model is wrapped, before anything is measured): 1 on one device, where nothing runs beside the head."""
+    if num_devices < 2:
+        return 1
+    forward = decoder_layer_flops(shape, seq_len)
+    costs = LayerCosts(forward_s=forward, backward_s=[2 * f for f in forward])
+    settings = PlanSettings(num_devices=num_devices, num_microbatches=num_microbatches,
+                            gpu_memory_bytes=math.inf, pcie_bytes_per_s=math.inf)
+    return plan_split_head(costs, settings, max_head_shards).num_head_shards

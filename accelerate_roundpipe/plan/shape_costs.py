@@ -20,6 +20,25 @@ from .decoder_shapes import DecoderShape, decoder_layer_flops
 from .layer_costs import LayerCosts
 
 
+def shape_from_config(config) -> DecoderShape:
+    """The `DecoderShape` of a Hugging Face decoder config (read by attribute name; a multimodal config's text
+    config). Mixture-of-experts layers count as dense ones of `intermediate_size` (close enough to pick a head
+    split; the planner re-plans from measured costs anyway). Raises ValueError naming a missing attribute."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    missing = [name for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if getattr(text, name, None) is None]
+    if missing:
+        raise ValueError(f"the model config has no {missing}: cannot cost its layers from its shape.")
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    return DecoderShape(hidden_size=text.hidden_size, intermediate_size=intermediate,
+                        num_hidden_layers=text.num_hidden_layers, num_attention_heads=heads,
+                        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                        vocab_size=text.vocab_size,
+                        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
 def layer_costs_from_shape(shape: DecoderShape, seq_len: int, rows: int = 1, flops_per_s: float = 150e12,
                            param_bytes_per_element: int = 2, lora_rank: int | None = None,
                            loss_chunk_tokens: int = 1024) -> LayerCosts:

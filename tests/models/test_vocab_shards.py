@@ -161,5 +161,34 @@ def test_what_cannot_be_split_says_so():
         run_layers(split.layers, split.prepare_inputs(**make_batch("right"), token_fields=True))
     with pytest.raises(ValueError, match="head_shards"):
         split_causal_lm(build_model("llama"), head_shards=VOCAB + 1)
-    with pytest.raises(ValueError, match="ROUNDPIPE_HEAD_SHARDS"):
-        RoundPipeConfig(head_shards=0)
+    for bad in (0, "two", 1.5):
+        with pytest.raises(ValueError, match="ROUNDPIPE_HEAD_SHARDS.*'auto'"):
+            RoundPipeConfig(head_shards=bad)
+
+
+def test_auto_picks_the_planners_count_from_the_models_flops(monkeypatch):
+    """`head_shards="auto"`: the planner's count from the config's FLOPs for the devices in use; 1 on one device.
+    The same count as `head_shards_for` on the published Qwen3-1.7B shape (8 shards on 8 devices)."""
+    from accelerate_roundpipe.models.vocab_shards import resolve_head_shards
+    from accelerate_roundpipe.plan.decoder_shapes import MODEL_SHAPES
+    from accelerate_roundpipe.plan.head_split import head_shards_for
+    from accelerate_roundpipe.plan.shape_costs import shape_from_config
+
+    assert head_shards_for(MODEL_SHAPES["qwen3-1.7b"], 8, 16) == 8
+    assert head_shards_for(MODEL_SHAPES["qwen3-1.7b"], 1, 16) == 1
+    model = build_model("llama", vocab_size=VOCAB * 64)  # a head of 8192 rows: several decoder layers' FLOPs
+    assert shape_from_config(model.config).vocab_size == VOCAB * 64
+    expected = head_shards_for(shape_from_config(model.config), 3, 6)
+    assert expected > 1
+    assert resolve_head_shards(RoundPipeConfig(devices=["cpu"] * 3, head_shards="AUTO"), model.config) == expected
+    assert resolve_head_shards(RoundPipeConfig(devices=["cpu"], head_shards="auto"), model.config) == 1
+    assert resolve_head_shards(RoundPipeConfig(devices=["cpu"]), model.config) == 1
+    monkeypatch.setenv("ROUNDPIPE_HEAD_SHARDS", "auto")
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=3))
+    try:
+        assert sum(isinstance(layer, VocabShard) for layer in engine.split.layers) == expected
+        batch = make_batch("left")
+        loss = engine.forward_backward(**batch)
+        assert torch.isfinite(loss)
+    finally:
+        engine.close()
