@@ -59,7 +59,7 @@ class CausalLMRoundPipe(RoundPipe):
         config = config if config is not None else RoundPipeConfig()
         kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens,
-                                head_shards=resolve_head_shards(config, model.config))
+                                head_shards=resolve_head_shards(config, getattr(model, "config", None)))
         if config.mlp_chunk_tokens is not None:
             tile_mlps([layer.decoder_layer for layer in split.layers if hasattr(layer, "decoder_layer")],
                       config.mlp_chunk_tokens)

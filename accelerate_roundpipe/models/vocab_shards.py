@@ -52,8 +52,8 @@ def resolve_head_shards(config: RoundPipeConfig, model_config) -> int:
     """`config.head_shards` as a count: 1 when unset; for "auto", the count the planner picks from the model's
     FLOPs (`plan.head_split.head_shards_for`) for the configured devices and micro-batches per task."""
     value = config.head_shards or 1
-    if value != "auto":
-        return value
+    if value != "auto" or model_config is None:  # no config: not an HF model, which `split_causal_lm` refuses
+        return 1 if value == "auto" else value
     num_devices = len(config.resolved_devices())
     num_microbatches = config.num_microbatches or 2 * num_devices  # the engine's default count
     per_task = min(config.microbatches_per_round or num_microbatches, num_microbatches)
