@@ -56,6 +56,20 @@ def _int_list(value: Any, name: str) -> list[int] | None:
     return out
 
 
+def _count_or_auto(value: Any, name: str) -> int | str:
+    """A count of at least 1, or "auto" (any case)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1 or (isinstance(value, float) and value != count):
+        raise ValueError(f"{name} (env {ENV_PREFIX}{name.upper()}) must be an integer >= 1 or 'auto', "
+                         f"got {value!r}.")
+    return count
+
+
 def _gib(value: Any, name: str) -> float:
     """GiB from a number or a string such as '24', '24GiB', '24 GB' (GB taken as GiB: budgets are approximate)."""
     text = str(value).strip().lower().replace(" ", "")
@@ -148,6 +162,12 @@ class RoundPipeConfig:
             layer's dense MLP over chunks of this many tokens when a micro-batch has more, keeping only the MLP's
             input for the backward (see `models/tiled_mlp.py`): long sequences fit in less GPU memory for one more
             MLP forward per backward. Default: off.
+        head_shards (`int` or "auto", env `ROUNDPIPE_HEAD_SHARDS`): for Hugging Face models, cut the head (final
+            norm, lm_head, loss) into this many pipeline layers, one per vocabulary shard, carrying online-softmax
+            statistics between them (see [Note: vocabulary shards] in `models/vocab_shards.py`), so the planner can
+            spread a long-vocabulary head over several stages; "auto" takes the count the planner picks from the
+            model's FLOPs for the devices in use (1 on one device). Each shard still uploads the whole head weight
+            (the host store has no row-range buckets yet). Default: 1 (one head layer).
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
@@ -193,6 +213,8 @@ class RoundPipeConfig:
         "help": "Fused layer kernels for HF models: 'auto' (Liger when installed, on GPUs), 'liger', 'none'."})
     mlp_chunk_tokens: int | None = field(default=None, metadata={
         "help": "HF models: run dense MLPs over chunks of this many tokens (long sequences). Default: off."})
+    head_shards: int | str | None = field(default=None, metadata={
+        "help": "HF models: the head as this many vocabulary-shard pipeline layers, or 'auto'. Default: 1."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
 
@@ -235,6 +257,8 @@ class RoundPipeConfig:
                 if value not in choices:
                     raise ValueError(f"{name} (env {env}{name.upper()})={value!r}; choose one of {list(choices)}.")
                 setattr(self, name, value)
+        if self.head_shards is not None:
+            self.head_shards = _count_or_auto(self.head_shards, "head_shards")
         self.forward_stages = _int_list(self.forward_stages, "forward_stages")
         self.backward_stages = _int_list(self.backward_stages, "backward_stages")
         if self.seed is not None:

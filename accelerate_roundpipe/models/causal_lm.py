@@ -28,6 +28,7 @@ from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
 from .tiled_mlp import tile_mlps
 from .token_fields import FIELDS, IGNORE_INDEX
+from .vocab_shards import resolve_head_shards
 
 # Keyword arguments of an HF forward the pipeline accepts when they ask for nothing it would have to do differently.
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
@@ -57,7 +58,8 @@ class CausalLMRoundPipe(RoundPipe):
                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, allow_short_batches: bool = False) -> None:
         config = config if config is not None else RoundPipeConfig()
         kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
-        split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens)
+        split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens,
+                                head_shards=resolve_head_shards(config, getattr(model, "config", None)))
         if config.mlp_chunk_tokens is not None:
             tile_mlps([layer.decoder_layer for layer in split.layers if hasattr(layer, "decoder_layer")],
                       config.mlp_chunk_tokens)

@@ -18,6 +18,7 @@ from .registry import FamilySpec, family_for, refuse_if_not_matching
 from .router_aux import install_router_hooks
 from .shell import PLAIN_ATTRIBUTE_TYPES, UnusedPart, decoder_stubs, make_shell
 from .stand_ins import ShapeOnlyPart
+from .vocab_shards import shard_head
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ DEFAULT_LOSS_CHUNK_TOKENS = DEFAULT_CHUNK_TOKENS
 class DecoderSplit:
     """A causal LM cut into pipeline layers, and the function that builds their input batch.
 
-    `layers` is `EmbeddingLayer -> DecoderLayer x num_hidden_layers -> CausalLMHead`. Its parameters are the
-    model's own Parameter objects (a tied `lm_head.weight` is the embedding's, in the first and the last layer).
+    `layers` is `EmbeddingLayer -> DecoderLayer x num_hidden_layers -> CausalLMHead` (or `head_shards` x
+    `VocabShard`). Its parameters are the model's own Parameter objects (a tied `lm_head.weight` is the
+    embedding's, in the first and the last layers).
 
     What the last layer returns depends on the batch alone ([Note: decoder batch layout] in `layers.py`): a batch
     from `prepare_inputs(..., labels=...)` gives the micro-batch loss (0-dim, already divided by the whole batch's
@@ -84,7 +86,8 @@ class DecoderSplit:
         return next(self.layers[-1].parameters()).dtype
 
 
-def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS) -> DecoderSplit:
+def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+                    head_shards: int = 1) -> DecoderSplit:
     """Split a decoder-only HF causal LM (or a `peft.PeftModel` around one) into pipeline layers.
 
     Args:
@@ -92,6 +95,8 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
             LoRA adapters stay inside the decoder layers and frozen parameters stay frozen.
         loss_chunk_tokens: most tokens per cross-entropy chunk in the head (bounds the fp32 logits held at once;
             see [Note: loss chunk size] in `head.py`).
+        head_shards: the head as this many pipeline layers, one per vocabulary shard ([Note: vocabulary shards]
+            in `vocab_shards.py`); 1 keeps one `CausalLMHead`.
 
     The layers share modules with `model` (no weights are copied). HF gradient checkpointing is switched off on the
     model, since the engine recomputes activations itself. Raises `UnsupportedModelError` naming what is missing.
@@ -123,8 +128,9 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
         loss_chunk_tokens=loss_chunk_tokens,
         router_aux_loss_coef=router_coef,
     )
+    top = [head] if head_shards == 1 else shard_head(head, head_shards)
     return DecoderSplit(
-        layers=nn.Sequential(first, *middle, head),
+        layers=nn.Sequential(first, *middle, *top),
         family=family,
         router_experts=router_experts,
         source_model=model,

@@ -11,6 +11,7 @@ state of iterations that flow into each other, the optimizer step running beside
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,6 +174,12 @@ def roundpipe_bubble(num_devices: int, num_microbatches: int, costs: Sequence[fl
     pipeline never drained (the lagged step needs no barrier), measured over the whole run."""
     partition = plan_partition(len(costs), forward_costs=costs,
                                backward_costs=[backward_ratio * c for c in costs])
+    return _roundpipe_partition_bubble(partition, costs, num_devices, num_microbatches, asynchronous,
+                                       backward_ratio, iterations)
+
+
+def _roundpipe_partition_bubble(partition, costs: Sequence[float], num_devices: int, num_microbatches: int,
+                                asynchronous: bool, backward_ratio: float, iterations: int) -> float:
     runs = iterations if asynchronous else 1
     tasks = []
     start = 0
@@ -188,14 +195,62 @@ def roundpipe_bubble(num_devices: int, num_microbatches: int, costs: Sequence[fl
     return simulate(tasks, num_devices, cost).bubble_ratio
 
 
-def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2) -> dict:
-    """Bubble ratios, in [0, 1], of every schedule for one cost profile."""
+def split_head_plan(num_devices: int, num_microbatches: int, costs: Sequence[float], asynchronous: bool,
+                    backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST, max_head_shards: int = 16,
+                    iterations: int = 8):
+    """The planner's plan for compute-only `costs` (the last one the LM head) with the head in vocabulary shards
+    ([Note: split head]) and the stage counts that fill the ring ([Note: filling the ring]) for the sync (one
+    iteration) or async (`iterations` back to back) run. Returns (SplitHeadPlan, filled PlannedPartition)."""
+    from .head_split import plan_split_head
+    from .layer_costs import LayerCosts
+    from .ring_fill import fill_ring
+    from .stage_cost_model import PlanSettings
+
+    layer_costs = LayerCosts(forward_s=list(costs), backward_s=[(backward_ratio - 1) * c for c in costs])
+    settings = PlanSettings(num_devices=num_devices, num_microbatches=num_microbatches, gpu_memory_bytes=math.inf,
+                            pcie_bytes_per_s=math.inf)
+    split = plan_split_head(layer_costs, settings, max_head_shards)
+    return split, fill_ring(split.planned, split.costs, iterations if asynchronous else 1)
+
+
+def roundpipe_split_head_bubble(num_devices: int, num_microbatches: int, costs: Sequence[float], asynchronous: bool,
+                                backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST, iterations: int = 8,
+                                max_head_shards: int = 16) -> float:
+    """`roundpipe_bubble` with the head in vocabulary shards, planned by `split_head_plan`; every task takes the
+    stage cost model's time, so a shard's backward includes the recomputation of its logits
+    (`head_split.split_head_costs`)."""
+    from .ring_fill import simulated_makespan
+    from .stage_cost_model import StageCostModel
+
+    split, planned = split_head_plan(num_devices, num_microbatches, costs, asynchronous, backward_ratio,
+                                     max_head_shards, iterations)
+    runs = iterations if asynchronous else 1
+    makespan = simulated_makespan(planned.partition, StageCostModel(split.costs, planned.settings), runs)
+    busy = runs * (sum(planned.forward_stage_s) + sum(planned.backward_stage_s))
+    return 1.0 - busy / (num_devices * makespan)
+
+
+def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2,
+                    split_head: bool = False) -> dict:
+    """Bubble ratios, in [0, 1], of every schedule for one cost profile. With `split_head` the last layer (the LM
+    head) is cut into vocabulary shards: RoundPipe's planner picks their number and the stage counts
+    (`split_head_plan`), and the classic schedules get the head in as many shards as RoundPipe's sync plan (their
+    backward at `backward_ratio` like every layer's; RoundPipe's shards also recompute their logits)."""
+    if split_head:
+        shards = split_head_plan(num_devices, num_microbatches, costs, asynchronous=False)[0].num_head_shards
+        classic_costs = list(costs[:-1]) + [costs[-1] / shards] * shards
+        sync = roundpipe_split_head_bubble(num_devices, num_microbatches, costs, asynchronous=False)
+        lagged = roundpipe_split_head_bubble(num_devices, num_microbatches, costs, asynchronous=True)
+    else:
+        classic_costs = costs
+        sync = roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=False)
+        lagged = roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=True)
+    c = classic_costs
     return {
-        "gpipe": simulate_classic(gpipe(num_devices, num_microbatches, costs), costs),
-        "1f1b": simulate_classic(one_f_one_b(num_devices, num_microbatches, costs), costs),
-        "interleaved_1f1b": simulate_classic(interleaved_one_f_one_b(num_devices, num_microbatches, costs, chunks),
-                                             costs),
-        "looped_bfs": simulate_classic(looped_bfs(num_devices, num_microbatches, costs, chunks), costs),
-        "roundpipe_sync": roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=False),
-        "roundpipe_async": roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=True),
+        "gpipe": simulate_classic(gpipe(num_devices, num_microbatches, c), c),
+        "1f1b": simulate_classic(one_f_one_b(num_devices, num_microbatches, c), c),
+        "interleaved_1f1b": simulate_classic(interleaved_one_f_one_b(num_devices, num_microbatches, c, chunks), c),
+        "looped_bfs": simulate_classic(looped_bfs(num_devices, num_microbatches, c, chunks), c),
+        "roundpipe_sync": sync,
+        "roundpipe_async": lagged,
     }

@@ -1,6 +1,7 @@
 """`accelerate-roundpipe simulate`: bubble ratios of RoundPipe and the classic schedules for a model's costs.
 
     accelerate-roundpipe simulate --model qwen3-1.7b --devices 8 --microbatches 16 [--json]
+    accelerate-roundpipe simulate --model llama3.1-8b --devices 8 --microbatches 16 --split-head [--grid]
     python -m accelerate_roundpipe.plan.simulate_cli --profile costs.json --devices 4 --microbatches 8
 """
 
@@ -10,8 +11,9 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from .classic import compare_bubbles
+from .classic import compare_bubbles, split_head_plan
 from .decoder_shapes import MODEL_SHAPES, decoder_layer_flops
+from .schedule import build_schedule, format_schedule
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -26,6 +28,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--head-layers", type=float, default=None,
                         help="LM head cost in decoder layers instead of its FLOPs (1 = the paper's profile)")
     parser.add_argument("--chunks", type=int, default=2, help="virtual stages per device (interleaved, looped)")
+    parser.add_argument("--split-head", action="store_true",
+                        help="cut the LM head into vocabulary shards: RoundPipe's planner picks their number and the "
+                             "stage counts; the classic schedules get as many shards (see [Note: split head])")
+    parser.add_argument("--grid", action="store_true",
+                        help="with --split-head, also print the planned sync iteration's schedule grid")
     parser.add_argument("--json", action="store_true", help="print only the JSON of bubble ratios")
     return parser
 
@@ -46,13 +53,20 @@ def relative_forward_costs(args: argparse.Namespace) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    result = compare_bubbles(args.devices, args.microbatches, relative_forward_costs(args), chunks=args.chunks)
+    costs = relative_forward_costs(args)
+    result = compare_bubbles(args.devices, args.microbatches, costs, chunks=args.chunks, split_head=args.split_head)
     if args.json:
         print(json.dumps({k: round(v, 4) for k, v in result.items()}))
     else:
         print(f"bubble ratio, {args.devices} devices, {args.microbatches} micro-batches:")
         for name, value in result.items():
             print(f"  {name:18s} {value:6.1%}")
+        if args.split_head:
+            split, planned = split_head_plan(args.devices, args.microbatches, costs, asynchronous=False)
+            print(f"sync plan: head in {split.num_head_shards} vocabulary shards, {planned.partition}")
+            if args.grid:
+                tasks = build_schedule(planned.partition, args.microbatches, args.microbatches, args.devices)
+                print(format_schedule(tasks, args.devices))
     return result
 
 
