@@ -88,7 +88,8 @@ def shard_head(head: CausalLMHead, num_shards: int) -> list[VocabShard]:
     if problem is not None:
         raise ValueError(f"head_shards={num_shards}: the head of {type(head.lm).__name__} cannot be split into "
                          f"vocabulary shards: {problem}. Set head_shards=1 (env ROUNDPIPE_HEAD_SHARDS).")
-    final_norm = head.lm._modules[head._final_norm_name]
+    # The final norm and every other part after the layers ([Note: parts around the decoder layers]).
+    final_norm = head.lm.get_submodule(head._final_norm_path)
     bounds = shard_bounds(lm_head.out_features, num_shards)
     return [VocabShard(lm_head, final_norm if k == 0 else None, start, stop, k == num_shards - 1,
                        head.loss_chunk_tokens, head.router_aux_loss_coef)

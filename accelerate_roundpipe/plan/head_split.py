@@ -35,8 +35,8 @@ def split_head_costs(costs: LayerCosts, num_head_shards: int) -> LayerCosts:
     """`costs` with its last layer (the head) replaced by `num_head_shards` equal vocabulary shards
     ([Note: split head]): each shard takes 1/K of the head's times and of its parameter, gradient and working bytes
     (the logits of a loss chunk), and reads and keeps the whole hidden state (`input_bytes` and `act_bytes`
-    unchanged). With K > 1 a shard's backward also recomputes its logits (it keeps none: [Note: vocabulary
-    shards] in `models/vocab_shards.py`), so its `backward_s` gains its `forward_s`."""
+    unchanged). With K > 1 a shard's backward also recomputes its logits (it keeps none: see
+    [Note: vocabulary shards] in `models/vocab_shards.py`), so its `backward_s` gains its `forward_s`."""
     if num_head_shards < 1:
         raise ValueError(f"num_head_shards must be at least 1, got {num_head_shards}.")
     if costs.num_layers < 2:

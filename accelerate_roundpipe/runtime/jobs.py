@@ -33,7 +33,7 @@ class PassState:
     keep_limit_bytes: int = 0
     profile: Any = None  # a LayerProfile while the pass is measured for the planner
     input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
-    reads_newest: bool = False  # an evaluation pass: the newest weights, not the stash ([Note: looking ...])
+    reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
 
     @property
     def num_microbatches(self) -> int:
