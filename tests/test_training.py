@@ -208,3 +208,27 @@ def test_async_warmup_takes_exact_steps_first():
     for name, p in engine.named_parameters():
         assert_close(p.detach(), reference[name].detach(), RTOL, f"optimizer copy {name}")
     engine.close()
+
+
+def test_engine_zero_grad_forgets_gradients_without_losing_the_next_ones():
+    """`engine.zero_grad()` (nn.Module's would set `.grad` behind the buckets' back: the next pass's gradients then
+    never reached `.grad`), with and without a wrapped optimizer."""
+    from toy_models import batch, reference_loss_and_grads, tied_model
+
+    for wrap in (False, True):
+        model = tied_model()
+        x, mask, y = batch()
+        _, expected = reference_loss_and_grads(model, x, mask, y, num_microbatches=2)
+        engine = RoundPipe(model, RoundPipeConfig(devices=["cpu"], num_microbatches=2))
+        if wrap:
+            engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.0))
+        for _ in range(2):
+            engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+            engine.synchronize()
+            for name, p in engine.named_parameters():
+                assert p.grad is not None, name
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-12, atol=1e-14, msg=name)
+            engine.zero_grad()
+            engine.synchronize()  # the optimizer's zero_grad is queued in the gradients' order
+            assert all(p.grad is None for p in engine.parameters()), wrap
+        engine.close()

@@ -48,12 +48,28 @@ from .router_aux import router_aux_loss
 logger = logging.getLogger(__name__)
 
 
+REFUSE_ON_CUDA = True  # [Note: vocabulary shards on CUDA]; the GPU tests turn it off to check the path
+
+
 def resolve_head_shards(config: RoundPipeConfig, model_config) -> int:
     """`config.head_shards` as a count: 1 when unset; for "auto", the count the planner picks from the model's
     FLOPs (`plan.head_split.head_shards_for`) for the configured devices and micro-batches per task."""
     value = config.head_shards or 1
     if value != "auto" or model_config is None:  # no config: not an HF model, which `split_causal_lm` refuses
-        return 1 if value == "auto" else value
+        count = 1 if value == "auto" else value
+    else:
+        count = _planned_head_shards(config, model_config)
+    if count > 1 and REFUSE_ON_CUDA and any(d.type == "cuda" for d in config.resolved_devices()):
+        # [Note: vocabulary shards on CUDA] Exact against HF on CPU workers (tests/models/test_vocab_shards.py).
+        # Its CUDA parity test (tests/models/test_vocab_shards_gpu.py) found gradients missing on the H200, which
+        # a standalone run did not: the test's `engine.zero_grad()` went around the buckets (fixed since, tested
+        # on the CPU), but the CUDA test has not run again; until it passes the split stays off on GPUs.
+        raise ValueError(f"head_shards={count}: the head in vocabulary shards is not verified on CUDA devices yet "
+                         f"(see docs/how-it-works.md); set head_shards=1 (env ROUNDPIPE_HEAD_SHARDS) on GPUs.")
+    return count
+
+
+def _planned_head_shards(config: RoundPipeConfig, model_config) -> int:
     num_devices = len(config.resolved_devices())
     num_microbatches = config.num_microbatches or 2 * num_devices  # the engine's default count
     per_task = min(config.microbatches_per_round or num_microbatches, num_microbatches)

@@ -317,6 +317,21 @@ class RoundPipe(nn.Module):
 
     # ------------------------------------------------------------------ control
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget (or zero) the accumulated gradients of `parameters()`. nn.Module's own would set `.grad` on the
+        optimizer copies behind the buckets' back, and the next commit, adding to a buffer it still holds, would
+        leave `.grad` None: an optimizer then skips every parameter. Through the wrapped optimizer's ordered
+        `zero_grad` when there is one, else once the passes in flight are done."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none)
+            return
+        self.synchronize()
+        for bucket in self._store.trainable_buckets:
+            if set_to_none:
+                bucket.clear()
+            else:
+                bucket.zero()
+
     def synchronize(self) -> None:
         """Wait for every task and optimizer step; then `self.module` holds the newest weights and `p.grad` of
         `self.parameters()` the accumulated gradients."""
