@@ -60,7 +60,8 @@ def resolve_head_shards(config: RoundPipeConfig, model_config) -> int:
     else:
         count = _planned_head_shards(config, model_config)
     if count > 1 and REFUSE_ON_CUDA and any(d.type == "cuda" for d in config.resolved_devices()):
-        # [Note: vocabulary shards on CUDA] Exact against HF on CPU workers (tests/models/test_vocab_shards.py).
+        # [Note: vocabulary shards on CUDA]
+        # Exact against HF on CPU workers (tests/models/test_vocab_shards.py).
         # Its CUDA parity test (tests/models/test_vocab_shards_gpu.py) found gradients missing on the H200, which
         # a standalone run did not: the test's `engine.zero_grad()` went around the buckets (fixed since, tested
         # on the CPU), but the CUDA test has not run again; until it passes the split stays off on GPUs.
