@@ -99,3 +99,27 @@ def test_refusals_name_the_way_out():
     model = copy.deepcopy(decoder_catalog.tiny_model(refused[0]))
     with pytest.raises(UnsupportedModelError, match="pass that `torch.nn.Sequential` to `RoundPipe` directly"):
         split_causal_lm(model)
+
+
+def test_the_package_knows_which_families_are_verified():
+    """`models/verified_families.py` (what the split warns about at run time) is this catalog's supported list."""
+    from accelerate_roundpipe.models.verified_families import VERIFIED_MODEL_TYPES
+
+    supported = {name for name, expected in decoder_catalog.EXPECTED.items() if expected == "supported"}
+    assert VERIFIED_MODEL_TYPES == supported
+
+
+def test_an_unverified_family_is_split_with_a_warning(caplog):
+    from accelerate_roundpipe.models.registry import refuse_if_not_matching
+
+    class Unverified:
+        class config:  # noqa: N801 - stands in for a model's config
+            model_type = "some_new_family"
+
+    with caplog.at_level("WARNING"):
+        refuse_if_not_matching(Unverified())
+    assert "no parity test checks it" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        refuse_if_not_matching(type("Llama", (), {"config": type("C", (), {"model_type": "llama"})})())
+    assert caplog.text == ""
