@@ -76,3 +76,27 @@ def _train_steps_plain(steps: int):
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), None
+
+
+def test_lagged_weights_from_a_checkpoint_are_used_by_the_lagged_step_only():
+    """A resume restores the weights the next pass computes with under the lagged step; an engine resumed with the
+    exact step computes with the newest weights instead, so it ignores them."""
+    for async_optimizer in (True, False):
+        saver = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], num_microbatches=2, async_optimizer=True))
+        optimizer = saver.wrap_optimizer(torch.optim.AdamW(saver.parameters(), lr=1e-2))
+        x, mask, y = batch()
+        saver.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
+        optimizer.step()
+        lagged = saver.lagged_weights()
+        assert lagged  # the step is held: the next pass would compute with the weights before it
+        state = copy.deepcopy(saver.state_dict())
+        saver.close()
+
+        engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], num_microbatches=2,
+                                                         async_optimizer=async_optimizer))
+        engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+        engine.load_state_dict(state)
+        engine.load_lagged_weights(lagged)
+        stashed = [b for b in engine._store.buckets if b.stash is not None]
+        assert bool(stashed) == async_optimizer
+        engine.close()

@@ -427,6 +427,8 @@ class RoundPipe(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("load the lagged weights after engine.wrap_optimizer(...): they belong to its "
                                "held step.")
+        if not self.optimizer.async_step:
+            return  # resumed with the exact step: the next pass computes with the newest weights, already loaded
         buckets = []
         for key, tensor in tensors.items():
             bucket = self._store.buckets[int(key)]
