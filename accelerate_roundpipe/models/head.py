@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .fused_ce import fused_linear_cross_entropy_sum
-from .router_aux import router_aux_loss
+from .router_aux import with_router_aux_loss
 from .token_fields import token_fields
 
 IGNORE_INDEX = -100
@@ -155,12 +155,7 @@ class CausalLMHead(nn.Module):
             return self.logits(hidden), router_counts, router_probs
         labels, num_items_in_batch = extras[-2], extras[-1]
         loss = self._cross_entropy_sum(hidden, labels) / num_items_in_batch[0]
-        if self.router_aux_loss_coef is not None:
-            router_counts, router_probs, batch_tokens = extras[:3]
-            micro_batch_tokens = attention_mask.sum() if attention_mask.shape[1] else labels.new_tensor(labels.numel())
-            aux = router_aux_loss(router_counts, router_probs, batch_tokens, micro_batch_tokens)
-            loss = loss + self.router_aux_loss_coef * aux.to(loss.dtype)
-        return loss
+        return with_router_aux_loss(loss, self.router_aux_loss_coef, extras, attention_mask, labels)
 
     def _cross_entropy_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         normed = self._normed(hidden)

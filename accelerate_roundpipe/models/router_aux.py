@@ -137,6 +137,18 @@ def router_aux_loss(
     return aux * (micro_batch_tokens.to(aux.dtype) / batch_tokens[0].to(aux.dtype))
 
 
+def with_router_aux_loss(loss: torch.Tensor, coef: float | None, extras: tuple, attention_mask: torch.Tensor,
+                         labels: torch.Tensor) -> torch.Tensor:
+    """`loss` plus `coef` times this micro-batch's aux loss, from the router statistics that lead a head's extras
+    (`router_counts, router_probs, batch_tokens, ...`); `loss` itself without a coefficient."""
+    if coef is None:
+        return loss
+    router_counts, router_probs, batch_tokens = extras[:3]
+    micro_batch_tokens = attention_mask.sum() if attention_mask.shape[1] else labels.new_tensor(labels.numel())
+    aux = router_aux_loss(router_counts, router_probs, batch_tokens, micro_batch_tokens)
+    return loss + coef * aux.to(loss.dtype)
+
+
 def batch_router_aux_loss(router_counts: torch.Tensor, router_probs: torch.Tensor) -> torch.Tensor:
     """HF's aux loss (before `router_aux_loss_coef`) of the rows whose running totals are given."""
     num_experts = router_probs.shape[1]

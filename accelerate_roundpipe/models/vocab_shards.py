@@ -43,7 +43,7 @@ from ..config import RoundPipeConfig
 from ..plan.head_split import head_shards_for
 from ..plan.shape_costs import shape_from_config
 from .head import IGNORE_INDEX, MIN_LOSS_CHUNKS, CausalLMHead
-from .router_aux import router_aux_loss
+from .router_aux import with_router_aux_loss
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +172,7 @@ class VocabShard(nn.Module):
             return (hidden, attention_mask, position_ids, *extras, stats)
         valid = shift_labels.to(stats.device) != IGNORE_INDEX
         loss = torch.where(valid, stats[..., 0] - stats[..., 1], 0).sum() / num_items_in_batch[0]
-        if self.router_aux_loss_coef is not None:
-            router_counts, router_probs, batch_tokens = extras[:3]
-            micro_batch_tokens = attention_mask.sum() if attention_mask.shape[1] else labels.new_tensor(labels.numel())
-            aux = router_aux_loss(router_counts, router_probs, batch_tokens, micro_batch_tokens)
-            loss = loss + self.router_aux_loss_coef * aux.to(loss.dtype)
-        return loss
+        return with_router_aux_loss(loss, self.router_aux_loss_coef, extras, attention_mask, labels)
 
 
 class _ShardStatistics(torch.autograd.Function):
