@@ -64,18 +64,6 @@ def _train(engine: RoundPipe, optimizer, first_step: int, num_steps: int) -> Non
     engine.synchronize()
 
 
-def _fault_at(point: str, occurrence: int):
-    seen = {"n": 0}
-
-    def hook(name: str) -> None:
-        if name == point:
-            seen["n"] += 1
-            if seen["n"] == occurrence:
-                raise SoakFault(f"soak fault at {point} #{occurrence}")
-
-    return hook
-
-
 def _plain_after(shadow: tuple, first_step: int, num_steps: int) -> dict[str, torch.Tensor]:
     model, optimizer = copy.deepcopy(shadow)
     _plain_steps(model, optimizer, first_step, num_steps)
@@ -106,7 +94,7 @@ def test_random_faults_end_in_a_clean_error_a_consistent_model_and_a_resume():
         engine, optimizer = _engine_from(checkpoint)
         began = time.monotonic()
         try:
-            with faults.injected(_fault_at(point, occurrence)):
+            with faults.injected(faults.raise_at(point, occurrence, SoakFault)):
                 _train(engine, optimizer, step, STEPS_PER_RUN)
             outcomes["no fault reached"] += 1
         except SoakFault:

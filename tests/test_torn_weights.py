@@ -41,25 +41,13 @@ def _reference_after(model: nn.Sequential, steps: int) -> dict[str, torch.Tensor
     return model.state_dict()
 
 
-def _fail_at(point: str, call: int):
-    """A hook raising at the `call`-th time `point` is reached (1-based)."""
-    seen = {"n": 0}
-
-    def hook(name: str) -> None:
-        if name == point:
-            seen["n"] += 1
-            if seen["n"] == call:
-                raise RuntimeError(f"injected fault at {point} #{call}")
-
-    return hook
-
-
 def _two_steps(point: str, call: int):
     """Sync-mode training of two steps with a fault at the `call`-th `point` (4 buckets: calls 5-8 are step 2)."""
     module = _model()
     engine = RoundPipe(module, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, async_optimizer=False))
     optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=LR))
-    with faults.injected(_fail_at(point, call)), pytest.raises(RuntimeError, match="injected fault"):
+    fault = faults.raise_at(point, call, RuntimeError)
+    with faults.injected(fault), pytest.raises(RuntimeError, match="injected fault"):
         for step in range(2):
             x, y = _batch(step)
             engine.forward_backward(x, labels=y, loss_fn=nn.functional.cross_entropy)

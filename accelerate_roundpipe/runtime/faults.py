@@ -30,3 +30,17 @@ def injected(hook: Hook) -> Iterator[None]:
         yield
     finally:
         _hook = previous
+
+
+def raise_at(point: str, occurrence: int, make_error: Callable[[str], BaseException]) -> Hook:
+    """A hook raising `make_error(message)` the `occurrence`-th time (1-based) `point` is reached."""
+    seen = 0
+
+    def hook(name: str) -> None:
+        nonlocal seen
+        if name == point:
+            seen += 1
+            if seen == occurrence:
+                raise make_error(f"injected fault at {point} #{occurrence}")
+
+    return hook
