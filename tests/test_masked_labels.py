@@ -42,20 +42,25 @@ def _reference(model: nn.Sequential, x, y, loss_fn=token_loss):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
-def test_masked_labels_match_the_whole_batch(devices):
-    """Before: micro-batches were weighted by rows (loss off in the third digit, gradients by up to 0.09) and the
-    fully masked micro-batch made the loss NaN."""
+def _assert_engine_matches_whole_batch(devices, loss_fn, **forward_backward_kwargs) -> None:
+    """Four micro-batches on `devices`: the loss and every gradient of the whole batch, in float64."""
     x, y = _batch()
     model = _model()
-    expected_loss, expected_grads = _reference(model, x, y)
+    expected_loss, expected_grads = _reference(model, x, y, loss_fn)
     engine = RoundPipe(model, RoundPipeConfig(devices=devices, num_microbatches=4))
-    loss = engine.forward_backward(x, labels=y, loss_fn=token_loss)
+    loss = engine.forward_backward(x, labels=y, loss_fn=loss_fn, **forward_backward_kwargs)
     engine.synchronize()
     assert_close(loss, expected_loss, 1e-12, "loss")
     for name, p in engine.named_parameters():
         assert_close(p.grad, expected_grads[name], 1e-12, name)
     engine.close()
+
+
+@pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"]])
+def test_masked_labels_match_the_whole_batch(devices):
+    """Before: micro-batches were weighted by rows (loss off in the third digit, gradients by up to 0.09) and the
+    fully masked micro-batch made the loss NaN."""
+    _assert_engine_matches_whole_batch(devices, token_loss)
 
 
 def test_ignore_index_none_weights_by_rows():
@@ -63,16 +68,7 @@ def test_ignore_index_none_weights_by_rows():
     def row_loss(logits, labels):  # every label counts, -100 included (as a large negative target value)
         return ((logits.mean(-1) - labels.to(logits.dtype)) ** 2).mean()
 
-    x, y = _batch()
-    model = _model()
-    expected_loss, expected_grads = _reference(model, x, y, row_loss)
-    engine = RoundPipe(model, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=4))
-    loss = engine.forward_backward(x, labels=y, loss_fn=row_loss, ignore_index=None)
-    engine.synchronize()
-    assert_close(loss, expected_loss, 1e-12, "loss")
-    for name, p in engine.named_parameters():
-        assert_close(p.grad, expected_grads[name], 1e-12, name)
-    engine.close()
+    _assert_engine_matches_whole_batch(["cpu", "cpu"], row_loss, ignore_index=None)
 
 
 def test_every_label_masked_gives_the_whole_batch_nan():
