@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import transformers
 from torch import nn
@@ -186,6 +188,16 @@ def split_rows(inputs: tuple[torch.Tensor, ...], sizes: list[int]) -> list[tuple
     """Micro-batches: every input tensor split along dim 0."""
     pieces = [torch.split(tensor, sizes, dim=0) for tensor in inputs]
     return [tuple(piece[index] for piece in pieces) for index in range(len(sizes))]
+
+
+def cuda_reference(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """HF's loss and gradients for a copy of `model` on the GPU (float32 matmuls without TF32): the CUDA tests'
+    reference."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference = copy.deepcopy(model).cuda()
+    loss = reference_loss(reference, {k: v.cuda() for k, v in batch.items()})
+    loss.backward()
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in reference.named_parameters()}
 
 
 def reference_loss(model: nn.Module, batch: dict[str, torch.Tensor], **model_kwargs) -> torch.Tensor:

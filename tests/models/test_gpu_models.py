@@ -11,7 +11,7 @@ import torch
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.models.kernels import liger_available
 
-from split_helpers import assert_close, build_model, make_batch, reference_loss
+from split_helpers import assert_close, build_model, cuda_reference, make_batch, reference_loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -21,13 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_qwen3_on_cuda_matches_hf(kernels, whole_model_fused):
     if kernels == "auto" and not liger_available():
         pytest.skip("Liger-Kernel is not installed")
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = build_model("qwen3", num_hidden_layers=3, tie_word_embeddings=True).float()
     batch = make_batch("none")
-    reference = copy.deepcopy(model).cuda()
-    ref_loss = reference_loss(reference, {k: v.cuda() for k, v in batch.items()})
-    ref_loss.backward()
-    ref_grads = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+    ref_loss, ref_grads = cuda_reference(model, batch)
 
     stages = {"backward_stages": [3 + 2]} if whole_model_fused else {}
     engine = wrap_model(copy.deepcopy(model), RoundPipeConfig(devices=["cuda:0"], num_microbatches=3, seed=0,

@@ -10,7 +10,7 @@ import torch
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 
-from split_helpers import assert_close, build_model, make_batch, reference_loss
+from split_helpers import assert_close, build_model, cuda_reference, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -20,13 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("tied", [False, True])
 def test_shards_on_cuda_match_hf(tied, monkeypatch):
     monkeypatch.setattr("accelerate_roundpipe.models.vocab_shards.REFUSE_ON_CUDA", False)
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = build_model("qwen3", num_hidden_layers=3, tie_word_embeddings=tied).float()
     batch = make_batch("mixed")
-    reference = copy.deepcopy(model).cuda()
-    ref_loss = reference_loss(reference, {k: v.cuda() for k, v in batch.items()})
-    ref_loss.backward()
-    ref_grads = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+    ref_loss, ref_grads = cuda_reference(model, batch)
 
     engine = wrap_model(copy.deepcopy(model), RoundPipeConfig(devices=["cuda:0"], num_microbatches=3, seed=0,
                                                               kernels="none", head_shards=3))
