@@ -4,7 +4,7 @@
 #
 #   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
 #
-# Workloads: gpu-tests, qwen3-1.7b, cap24, lora-8b, long, long-256k. `anchors` adds, for every other workload named,
+# Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, long, long-256k. `anchors` adds, for every other workload named,
 # the reference RoundPipe and HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the whole output to $OUT/bench.log.
 set -u
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
-WORKLOADS="gpu-tests qwen3-1.7b cap24 lora-8b long long-256k"
+WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b long long-256k"
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
 [ $# -gt 0 ] || usage
@@ -72,7 +72,9 @@ run_ours() {
   local w
   case $1 in
   gpu-tests)
-    step 240 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests integration_tests ;;
+    step 240 python3 -m pytest -m gpu -q -rfExX -p no:cacheprovider tests integration_tests ;;
+  host-roofline)  # the host's memory bandwidth against its fused AdamW rate (the exact step's bound)
+    step 120 python3 benchmarks/host_roofline.py --out "$OUT/host.jsonl" ;;
   qwen3-1.7b)  # each way in with the exact step (the default) and the lagged one; the Trainer at its defaults
     w=qwen3-1.7b-full-s4096-b8
     ours 75 $w roundpipe-engine --warm 2 --iters 8
