@@ -192,14 +192,3 @@ def test_auto_picks_the_planners_count_from_the_models_flops(monkeypatch):
         assert torch.isfinite(loss)
     finally:
         engine.close()
-
-
-def test_the_split_head_is_refused_on_cuda_devices(monkeypatch):
-    """[Note: vocabulary shards on CUDA]: not verified on GPUs yet, so asked for there it says so."""
-    from accelerate_roundpipe import RoundPipeConfig
-    from accelerate_roundpipe.models.vocab_shards import resolve_head_shards
-
-    monkeypatch.setattr(RoundPipeConfig, "resolved_devices", lambda self: [torch.device("cuda", 0)])
-    with pytest.raises(ValueError, match="not verified on CUDA devices yet.*head_shards=1"):
-        resolve_head_shards(RoundPipeConfig(head_shards=3), None)
-    assert resolve_head_shards(RoundPipeConfig(head_shards=1), None) == 1

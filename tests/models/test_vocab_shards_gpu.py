@@ -15,11 +15,8 @@ from split_helpers import assert_close, build_model, cuda_reference, make_batch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.xfail(reason="[Note: vocabulary shards on CUDA]: gradients were missing on the H200 (2026-12-01); the "
-                          "split is refused on CUDA until this passes", strict=False)
 @pytest.mark.parametrize("tied", [False, True])
-def test_shards_on_cuda_match_hf(tied, monkeypatch):
-    monkeypatch.setattr("accelerate_roundpipe.models.vocab_shards.REFUSE_ON_CUDA", False)
+def test_shards_on_cuda_match_hf(tied):
     model = build_model("qwen3", num_hidden_layers=3, tie_word_embeddings=tied).float()
     batch = make_batch("mixed")
     ref_loss, ref_grads = cuda_reference(model, batch)
@@ -38,8 +35,7 @@ def test_shards_on_cuda_match_hf(tied, monkeypatch):
         engine.close()
 
 
-def test_bfloat16_shards_give_hf_loss(monkeypatch):
-    monkeypatch.setattr("accelerate_roundpipe.models.vocab_shards.REFUSE_ON_CUDA", False)
+def test_bfloat16_shards_give_hf_loss():
     model = build_model("llama", num_hidden_layers=2).to(torch.bfloat16)
     batch = make_batch("right")
     reference = copy.deepcopy(model).cuda()
