@@ -38,7 +38,7 @@ from benchmarks.results_page import render_section, rewrite_docs  # noqa: E402
 from benchmarks.workloads import is_sweep  # noqa: E402
 
 WORKLOAD_ORDER = ["qwen3-1.7b-full-s4096-b8", "qwen3-4b-full-s4096-b8-cap24", "llama3.1-8b-lora-s4096-b8",
-                  "qwen3-1.7b-cap24-b1"]
+                  "llama3.1-8b-lora-s4096-b8-cap24", "qwen3-1.7b-cap24-b1"]
 SYSTEM_ORDER = ["roundpipe-engine", "roundpipe-engine-sync-optimizer", "roundpipe-trainer", "roundpipe-trainer-clip1",
                 "roundpipe-accelerate-loop", "roundpipe-accelerate-loop-sync-optimizer", "reference-0.1.1", "in-gpu",
                 "in-gpu-liger", "in-gpu-liger-nockpt", "fsdp2-offload", "deepspeed-zero3-offload"]

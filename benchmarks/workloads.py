@@ -46,6 +46,7 @@ WORKLOADS = {
     "qwen3-1.7b-full-s4096-b8": Workload("qwen3-1.7b", (4096,), 8),
     "qwen3-4b-full-s4096-b8-cap24": Workload("qwen3-4b", (4096,), 8, cap_gib=24.0),
     "llama3.1-8b-lora-s4096-b8": Workload("llama3.1-8b", (4096,), 8, lora=True),
+    "llama3.1-8b-lora-s4096-b8-cap24": Workload("llama3.1-8b", (4096,), 8, lora=True, cap_gib=24.0),
     # the longest sequence that trains at batch 1 on a 24 GiB card
     "qwen3-1.7b-cap24-b1": Workload("qwen3-1.7b", (4096, 8192, 16384, 32768, 65536, 131072), 1, cap_gib=24.0),
     # CPU runs of the command line (tests)
