@@ -153,7 +153,11 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
         engine.expect_grad_scale(1.0 / self.gradient_accumulation_steps)
         engine.summary_notes.update(self.roundpipe_summary_notes)
-        check_engine_data_parallel(engine, self.num_processes)
+        try:
+            check_engine_data_parallel(engine, self.num_processes)
+        except ValueError:
+            engine.close()
+            raise
         if engine not in self._roundpipe_engines:
             self._roundpipe_engines.append(engine)
         return prepared
