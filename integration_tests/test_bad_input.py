@@ -80,13 +80,14 @@ def test_data_parallel_style_settings(tmp_path):
     model = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     with pytest.raises(ValueError, match="DataParallel.*ROUNDPIPE_DEVICES"):
         accelerator.prepare(model)
-    for flags in (["--num_processes", "2"], ["--multi_gpu"]):
-        with pytest.raises(SystemExit, match="drives every GPU from one process"):
+    # One process per GPU on one machine (every process would drive every GPU): refused before anything starts.
+    for flags in (["--num_processes", "2"], ["--multi_gpu", "--num_processes", "4"]):
+        with pytest.raises(SystemExit, match="per machine, each driving every visible GPU"):
             cli(["launch", "--roundpipe", *flags, LOOP_SCRIPT])
     config = tmp_path / "multi.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n"
                       "mixed_precision: 'no'\nuse_cpu: false\ndebug: false\nroundpipe:\n  enabled: true\n")
-    with pytest.raises(SystemExit, match="distributed_type: MULTI_GPU"):
+    with pytest.raises(SystemExit, match="2 process.*on 1 machine.*one process per machine"):
         cli(["launch", "--config_file", str(config), LOOP_SCRIPT])
 
 

@@ -10,7 +10,10 @@
             accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the real norm
             optimizer.step(); scheduler.step(); optimizer.zero_grad()   # lagged CPU step
 
-One process drives every device: RoundPipe replaces data parallelism, so multi-process launches, DDP, FSDP and
+One process drives every device of a machine. Several machines train data-parallel, one process each (MULTI_GPU or
+MULTI_CPU, [Note: one process per machine]): the model is never wrapped in DDP (the engine reduces its gradients
+itself), the dataloader is sharded as usual (each rank gets its share of the global batch), and `backward` scales a
+loss the way the engine's summed gradients need ([Note: data-parallel loss scaling]). One process per GPU, FSDP and
 DeepSpeed are refused with the setting to change. Batches stay in host memory (`accelerator.device` is the CPU); the
 engine uploads micro-batches to its workers itself.
 """
@@ -19,27 +22,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 import accelerate
 import torch
-from accelerate.utils import DistributedType, DynamoBackend
+from accelerate.utils import DynamoBackend, send_to_device
 from torch import nn
 
 from ..runtime import RoundPipe
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .convert import convert_model, engine_of
+from .data_parallel import (
+    RankAgreement,
+    backward_scale,
+    check_distributed_type,
+    check_engine_data_parallel,
+    check_one_process_per_machine,
+    collective_device,
+    gather_claims,
+    loss_kind,
+    missing_shard_error,
+    per_rank_name,
+    rank_suffix,
+)
 from .grad_norm import clip_grad_norm, clip_grad_value
 from .optimizer import PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
 from .plugin import RoundPipePlugin
+from .staged_checkpoint import together
 from .traces import write_traces
 
 logger = logging.getLogger(__name__)
 
-ONE_PROCESS = ("RoundPipe drives every GPU from one process and replaces data parallelism: launch a single process "
-               "(`accelerate launch --num_processes 1`, no --multi_gpu; distributed_type: NO in the accelerate "
-               "config) and list the GPUs in ROUNDPIPE_DEVICES (e.g. 'cuda:0,cuda:1').")
+ONE_PROCESS = ("RoundPipe drives every GPU of a machine from one process and replaces DeepSpeed, FSDP and "
+               "Megatron-LM: on one machine launch a single process (`accelerate launch --num_processes 1`, "
+               "distributed_type: NO) and list the GPUs in ROUNDPIPE_DEVICES (e.g. 'cuda:0,cuda:1'); on several, "
+               "one process per machine (distributed_type: MULTI_GPU).")
 
 
 class RoundPipeAccelerator(accelerate.Accelerator):
@@ -60,9 +79,9 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                 raise ValueError(f"RoundPipeAccelerator got `{name}`; {ONE_PROCESS} Drop `{name}`.")
         self.roundpipe_plugin = roundpipe_plugin if roundpipe_plugin is not None else RoundPipePlugin()
         super().__init__(*args, **kwargs)
-        if self.num_processes > 1 or self.distributed_type != DistributedType.NO:
-            raise ValueError(f"this run has num_processes={self.num_processes} and distributed_type="
-                             f"{self.distributed_type.value}. {ONE_PROCESS}")
+        check_distributed_type(self.distributed_type, self.num_processes)
+        if self.num_processes > 1:  # a collective: every rank constructs its accelerator
+            check_one_process_per_machine(gather_claims(self.roundpipe_plugin.resolved_devices()))
         self._refuse_compilation()
         self._adopt_mixed_precision()
         self._roundpipe_engines: list[RoundPipe] = []
@@ -134,6 +153,11 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
         engine.expect_grad_scale(1.0 / self.gradient_accumulation_steps)
         engine.summary_notes.update(self.roundpipe_summary_notes)
+        try:
+            check_engine_data_parallel(engine, self.num_processes)
+        except ValueError:
+            engine.close()
+            raise
         if engine not in self._roundpipe_engines:
             self._roundpipe_engines.append(engine)
         return prepared
@@ -154,6 +178,31 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                                            slice_fn_for_dispatch=slice_fn_for_dispatch)
 
     # ------------------------------------------------------------------ training-step helpers
+
+    def backward(self, loss, **kwargs):
+        """accelerate's `backward`; with several processes a loss computed from logits is scaled by 1/world_size
+        first, so the engine's summed gradients are DDP's mean ([Note: data-parallel loss scaling])."""
+        if self.num_processes > 1 and torch.is_tensor(loss) and loss.grad_fn is not None:
+            scale = backward_scale(loss_kind(loss), self.num_processes)
+            if scale != 1.0:
+                loss = loss * scale
+        return super().backward(loss, **kwargs)
+
+    # Collectives: the caller's tensors live in host memory, which an NCCL process group cannot read.
+    def gather(self, tensor):
+        return self._on_collective_device(super().gather, tensor)
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        return self._on_collective_device(super().reduce, tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
+        return self._on_collective_device(super().pad_across_processes, tensor, dim, pad_index, pad_first)
+
+    def _on_collective_device(self, collective, tensor, *args):
+        device = collective_device(self.state)
+        if self.num_processes <= 1 or device.type == "cpu":
+            return collective(tensor, *args)
+        return send_to_device(collective(send_to_device(tensor, device), *args), torch.device("cpu"))
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The norm of the gradients RoundPipe holds for `parameters` (this step's, exact), clipped in place."""
@@ -193,21 +242,67 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         """accelerate's `save_state` with the lagged steps flushed first (and the fp32 optimizer copies saved when
         the compute copies are narrower)."""
         self.synchronize_roundpipe()
-        location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        for index, model in enumerate(self._models):
-            engine = engine_of(model)
-            if engine is not None:
-                save_engine_extras(engine, location, suffix=f"_{index}" if index else "")
+        with self._optimizer_shards_aside() as shards:
+            location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                          **save_model_func_kwargs)
+
+        def write_this_ranks_files() -> None:
+            if shards:  # [Note: one process per machine]: each rank's optimizer state is its shard
+                for index, optimizer in enumerate(shards):
+                    torch.save(optimizer.state_dict(), os.path.join(location, self._shard_file(index)))
+            for index, model in enumerate(self._models):
+                engine = engine_of(model)
+                if engine is not None:
+                    save_engine_extras(engine, location, suffix=self._extras_suffix(index))
+
+        together(self._agreement(), write_this_ranks_files, f"while saving the state to {location}")
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         self.synchronize_roundpipe()
-        with self._models_as_engine_weights():
+        with self._models_as_engine_weights(), self._optimizer_shards_aside() as shards:
             super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        directory = self._roundpipe_load_dir
+        if directory is None:
+            return
+        for index, optimizer in enumerate(shards):
+            path = os.path.join(directory, self._shard_file(index))
+            if not os.path.isfile(path):
+                raise missing_shard_error(directory, self._shard_file(index, world_size=1), self.process_index,
+                                          self.num_processes)
+            optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         for index, model in enumerate(self._models):
             engine = engine_of(model)
-            if engine is not None and self._roundpipe_load_dir is not None:
-                load_engine_extras(engine, self._roundpipe_load_dir, suffix=f"_{index}" if index else "")
+            if engine is not None:
+                load_engine_extras(engine, directory, suffix=self._extras_suffix(index))
+
+    def _shard_file(self, index: int, world_size: int | None = None) -> str:
+        """accelerate's optimizer file name, per rank: `optimizer.rank1-of-2.bin`, `optimizer_1.rank1-of-2.bin`."""
+        from accelerate.utils import OPTIMIZER_NAME
+
+        name = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+        return per_rank_name(name, self.process_index, self.num_processes if world_size is None else world_size)
+
+    def _extras_suffix(self, index: int) -> str:
+        return (f"_{index}" if index else "") + rank_suffix(self.process_index, self.num_processes)
+
+    def _agreement(self) -> RankAgreement | None:
+        return RankAgreement() if self.num_processes > 1 else None
+
+    @contextlib.contextmanager
+    def _optimizer_shards_aside(self):
+        """With several processes, accelerate's `save_state`/`load_state` would write only the main process's
+        optimizer state (a shard) and load it into every rank: they see no optimizer, and each rank writes and
+        reads its own shard. Yields the optimizers set aside (none for one process)."""
+        if self.num_processes <= 1:
+            yield []
+            return
+        saved = list(self._optimizers)
+        self._optimizers[:] = []
+        try:
+            yield saved
+        finally:
+            self._optimizers[:] = saved
 
     def _remember_load_dir(self, models, input_dir: str) -> None:
         self._roundpipe_load_dir = input_dir

@@ -52,9 +52,10 @@ def convert_model(model: nn.Module, config: RoundPipeConfig) -> tuple[nn.Module,
     if engine is not None:
         return user_facing(engine), engine
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        raise ValueError(f"the model is wrapped in {type(model).__name__}, but RoundPipe drives every GPU from one "
-                         f"process and replaces data parallelism. Pass the bare model (`model.module`) and list the "
-                         f"GPUs in `devices` (env ROUNDPIPE_DEVICES, e.g. 'cuda:0,cuda:1').")
+        raise ValueError(f"the model is wrapped in {type(model).__name__}, but RoundPipe drives every GPU of a "
+                         f"machine from one process and reduces gradients across machines itself. Pass the bare "
+                         f"model (`model.module`) and list the GPUs in `devices` (env ROUNDPIPE_DEVICES, e.g. "
+                         f"'cuda:0,cuda:1').")
     # Stock loops keep the last, shorter batch of an epoch: [Note: short batches] in runtime/microbatches.py.
     if isinstance(model, nn.Sequential):
         engine = RoundPipe(model, config, allow_short_batches=True)

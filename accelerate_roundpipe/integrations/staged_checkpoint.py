@@ -10,6 +10,13 @@ see it), is removed if anything raises, and the finished `checkpoint-N/` is rena
 what the Trainer decided from the run directory during the save is redone there: which checkpoint is the best
 (recorded in the saved trainer state too) and the rotation of old checkpoints (`save_total_limit`). A process
 killed mid-save leaves only a `tmp-checkpoint-N/`, which the next save of that step replaces.
+
+With several ranks ([Note: one process per machine]) every rank writes into the same staging directory (its
+optimizer shard, its RNG state), so one rank, the writer, prepares and renames it, and the ranks agree three times:
+the directory is clean before anyone writes, everyone wrote before the rename (a rank that raised says so, and then
+every rank raises and the writer discards the directory), and the rename is done before anyone goes on. Agreeing
+is an all-reduce that a failing rank joins too, so a failure never leaves the others waiting at a barrier. The
+ranks must see one filesystem (or save on each node: then each node's first process is that node's writer).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Protocol
 
 STAGING_PREFIX = "tmp-"
 
@@ -28,18 +36,57 @@ def staging_run_dir(final: str) -> str:
     return os.path.join(parent, STAGING_PREFIX + name)
 
 
+class Agreement(Protocol):
+    """What the ranks of a multi-process save agree through (`data_parallel.RankAgreement`)."""
+
+    def all_ok(self, ok: bool) -> bool: ...
+
+
 @contextlib.contextmanager
-def staged(final: str) -> Iterator[str]:
+def staged(final: str, agreement: Agreement | None = None, is_writer: bool = True) -> Iterator[str]:
     """Yield the staging run directory; the checkpoint written as `<staging>/<name of final>` is moved to `final`
-    when the block ends without an error, and discarded when it raises."""
+    when the block ends without an error, and discarded when it raises. With `agreement` (several ranks), every
+    rank enters and leaves together, and only `is_writer` prepares, renames and discards."""
     staging = staging_run_dir(final)
-    shutil.rmtree(staging, ignore_errors=True)  # left by a process killed mid-save
-    os.makedirs(staging)
+
+    def prepare() -> None:
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a process killed mid-save
+            os.makedirs(staging)
+
+    together(agreement, prepare, f"before writing the checkpoint {final}")
     try:
         yield staging
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if agreement is not None:
+            agreement.all_ok(False)
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
+    if agreement is not None and not agreement.all_ok(True):
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"another rank failed while writing the checkpoint {final}; it was discarded (see that "
+                           f"rank's error)")
+    # Nobody reads the checkpoint or starts the next save before the rename.
+    together(agreement, (lambda: _move_into_place(staging, final)) if is_writer else (lambda: None),
+              f"while moving the checkpoint {final} into place")
+
+
+def together(agreement: Agreement | None, action, when: str) -> None:
+    """Run `action` here, then agree with the other ranks that each did; a rank whose action raised still joins
+    the agreement (saying it failed), so nobody waits for it."""
+    try:
+        action()
+    except BaseException:
+        if agreement is not None:
+            agreement.all_ok(False)
+        raise
+    if agreement is not None and not agreement.all_ok(True):
+        raise RuntimeError(f"another rank failed {when} (see that rank's error)")
+
+
+def _move_into_place(staging: str, final: str) -> None:
     written = os.path.join(staging, os.path.basename(final))
     if not os.path.isdir(written):  # nothing was saved (e.g. not the main process): nothing to move
         shutil.rmtree(staging, ignore_errors=True)

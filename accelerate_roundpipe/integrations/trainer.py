@@ -12,7 +12,11 @@ What changes under the Trainer's loop, and nothing else:
 - checkpoints flush the lagged step first (through the patched `save_pretrained` and the optimizer's
   `state_dict`), and weights loaded into the model later (resume, best model) refresh the optimizer copies.
 
-A single process drives every device, so batch sizes are per step, not per GPU (`n_gpu` is at most 1).
+A single process drives every device of a machine, so batch sizes are per machine, not per GPU (`n_gpu` is at most
+1). Several machines train data-parallel, one process each ([Note: one process per machine]): each rank trains on
+its share of the global batch, the engine's fused loss is the global batch's (the Trainer's num_processes factor is
+divided out again: [Note: data-parallel loss scaling]), rank 0 writes the model as a normal HF checkpoint and every
+rank its optimizer shard (`optimizer.rank<r>-of-<n>.pt`), inside the staged checkpoint ([Note: staged checkpoints]).
 """
 
 from __future__ import annotations
@@ -30,9 +34,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 
 from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
-from .accelerator import ONE_PROCESS, RoundPipeAccelerator
+from .accelerator import RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .convert import engine_of
+from .data_parallel import (
+    DEFERRED,
+    RankAgreement,
+    loss_kind,
+    missing_shard_error,
+    per_rank_name,
+    rank_suffix,
+    trainer_loss_multiplier,
+)
 from .grad_norm import LateGradNorm
 from .staged_checkpoint import staged
 from .traces import write_traces
@@ -56,8 +69,11 @@ def check_training_args(args) -> None:
     for name, why in refused.items():
         if getattr(args, name, None):
             raise ValueError(f"`{name}` is set, but it cannot be used with RoundPipe: {why}. Unset `{name}`.")
-    if args.world_size > 1:
-        raise ValueError(f"this run has {args.world_size} processes (world_size). {ONE_PROCESS}")
+    if args.world_size > 1 and not getattr(args, "average_tokens_across_devices", True):
+        # [Note: data-parallel loss scaling]: the loss is normalised by the global token count, as on one process.
+        logger.warning("Setting `average_tokens_across_devices=True`: with %d processes RoundPipe computes the loss "
+                       "of the whole global batch, normalised by its token count.", args.world_size)
+        args.average_tokens_across_devices = True
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         if getattr(args, name, False):
             logger.warning("Setting `%s=False`: RoundPipe recomputes activations itself (see ROUNDPIPE_RECOMPUTE).",
@@ -207,8 +223,26 @@ class RoundPipeTrainer(Trainer):
     def _runs_fused_step(self, engine, inputs) -> bool:
         """The model's own loss with nothing custom around it: one `forward_backward` computes all of it."""
         return (isinstance(engine, CausalLMRoundPipe) and "labels" in inputs
-                and type(self).compute_loss is Trainer.compute_loss
+                and type(self).compute_loss is RoundPipeTrainer.compute_loss
                 and self.compute_loss_func is None and self.label_smoother is None)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """`Trainer.compute_loss`; with several processes, the num_processes factor it puts on a loss normalised by
+        the global token count is taken off the engine's fused loss, which is the global batch's already
+        ([Note: data-parallel loss scaling])."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if self.args.world_size <= 1:
+            return result
+        loss = result[0] if return_outputs else result
+        factor = trainer_loss_multiplier(self.args.average_tokens_across_devices,
+                                         bool(self.model_accepts_loss_kwargs or self.compute_loss_func),
+                                         num_items_in_batch, self.accelerator.num_processes, self.get_tp_size(),
+                                         self.args.n_gpu)
+        if factor == 1 or not torch.is_tensor(loss) or loss.grad_fn is None or loss_kind(loss) != DEFERRED:
+            return result
+        loss = loss / factor
+        return (loss, *result[1:]) if return_outputs else loss
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is not None:
@@ -247,7 +281,8 @@ class RoundPipeTrainer(Trainer):
             engine.synchronize()
         run_dir = super()._get_output_dir(trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with staged(final) as staging:
+        agreement = RankAgreement() if self.args.world_size > 1 else None
+        with staged(final, agreement, is_writer=self.args.should_save) as staging:
             self._staging_run_dir = staging
             try:
                 super()._save_checkpoint(model, trial)
@@ -274,16 +309,49 @@ class RoundPipeTrainer(Trainer):
             self.state.save_to_json(state_file)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)  # the optimizer's state_dict() flushes the lagged step
         engine = self.roundpipe_engine
-        if engine is not None and self.args.should_save:
-            save_engine_extras(engine, output_dir)
+        if self.args.world_size > 1:  # the Trainer would write only rank 0's optimizer shard
+            self._save_optimizer_shard(output_dir)
+        else:
+            super()._save_optimizer_and_scheduler(output_dir)  # the optimizer's state_dict() flushes the lagged step
+        if engine is not None and (self.args.should_save or self.args.world_size > 1):
+            save_engine_extras(engine, output_dir, suffix=self._rank_suffix())
+
+    def _save_optimizer_shard(self, output_dir: str) -> None:
+        """Every rank writes its optimizer state (a shard, [Note: one process per machine]); the main process the
+        scheduler, as the Trainer does."""
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._shard_name(OPTIMIZER_NAME)))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.args.world_size > 1:
+            self._load_optimizer_shard(checkpoint)
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
         engine = self.roundpipe_engine
         if checkpoint is not None and engine is not None:
-            load_engine_extras(engine, checkpoint)
+            load_engine_extras(engine, checkpoint, suffix=self._rank_suffix())
+
+    def _load_optimizer_shard(self, checkpoint: str | None) -> None:
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            return  # as the Trainer: nothing to resume (e.g. save_only_model)
+        path = os.path.join(checkpoint, self._shard_name(OPTIMIZER_NAME))
+        if not os.path.isfile(path):
+            raise missing_shard_error(checkpoint, OPTIMIZER_NAME, self.args.process_index, self.args.world_size)
+        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _shard_name(self, filename: str) -> str:
+        return per_rank_name(filename, self.args.process_index, self.args.world_size)
+
+    def _rank_suffix(self) -> str:
+        return rank_suffix(self.args.process_index, self.args.world_size)
 
     @contextlib.contextmanager
     def _reloading_weights(self):

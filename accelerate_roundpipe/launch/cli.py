@@ -6,9 +6,10 @@
 
 `launch` parses its arguments with accelerate's own `accelerate launch` parser (plus `--roundpipe`), strips the
 `roundpipe:` section from the config file (accelerate rejects unknown keys), exports the section as `ROUNDPIPE_*`
-variables (variables already set in the environment win), and hands over to accelerate's launcher with the script
-wrapped in `-m accelerate_roundpipe.run`. Without `--roundpipe` and without `enabled: true` in the section it is a
-plain `accelerate launch`.
+variables (variables already set in the environment win), checks the launch starts one process per machine
+([Note: one process per machine]; `--multi_gpu --num_machines N --num_processes N` for several), and hands over to
+accelerate's launcher with the script wrapped in `-m accelerate_roundpipe.run`. Without `--roundpipe` and without
+`enabled: true` in the section it is a plain `accelerate launch`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, RoundPipeConfig
+from ..integrations.data_parallel import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 from ..integrations.plugin import RoundPipePlugin
 from .config_file import (
     ENABLED_KEY,
@@ -107,12 +109,13 @@ def launch_command(argv: list[str]) -> None:
             write_config(config, stripped)
             args.config_file = stripped
         if use_roundpipe:
-            _check_one_process(args, config)
             for name, value in section_variables(section or {}).items():
                 os.environ.setdefault(name, value)
+            _check_launch_layout(args, config)
             RoundPipePlugin()  # bad ROUNDPIPE_* names or values fail here, before anything is started
             if args.num_processes is None and "num_processes" not in config:
-                args.num_processes = 1  # accelerate would otherwise start one process per GPU
+                # One per machine; accelerate would otherwise start one process per GPU.
+                args.num_processes = args.num_machines or int(config.get("num_machines", 1))
             args.training_script_args = [*(["-m"] if args.module else []), args.training_script,
                                          *args.training_script_args]
             args.training_script, args.module = RUN_MODULE, True
@@ -122,26 +125,30 @@ def launch_command(argv: list[str]) -> None:
             raise SystemExit(error.returncode) from None
 
 
-def _check_one_process(args, config: dict) -> None:
-    """RoundPipe drives every GPU from one process: refuse launch settings that start several or shard."""
-    problems = []
-    for flag in ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu"):
-        if getattr(args, flag, False):
-            problems.append(f"--{flag}")
-    if (args.num_processes or 1) > 1:
-        problems.append(f"--num_processes {args.num_processes}")
-    if (args.num_machines or 1) > 1:
-        problems.append(f"--num_machines {args.num_machines}")
-    distributed = str(config.get("distributed_type", "NO"))
-    if distributed not in ("NO", "DistributedType.NO"):
+def _check_launch_layout(args, config: dict, environ: dict[str, str] | None = None) -> None:
+    """One process per machine ([Note: one process per machine]): refuse launch settings that start one process
+    per GPU or shard the model, before anything is started."""
+    environ = os.environ if environ is None else environ
+    problems = [f"--{flag}" for flag in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu")
+                if getattr(args, flag, False)]
+    distributed = str(config.get("distributed_type", "NO")).split(".")[-1]
+    if distributed not in ("NO", *MULTI_PROCESS_TYPES):
         problems.append(f"distributed_type: {distributed} in the config file")
-    if args.num_processes is None and int(config.get("num_processes", 1)) > 1:
-        problems.append(f"num_processes: {config['num_processes']} in the config file")
     if problems:
-        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {', '.join(problems)} would start several "
-                         f"processes or shard the model, but RoundPipe drives every GPU from one process and replaces "
-                         f"data parallelism. Use one process (distributed_type: NO, num_processes: 1) and list the "
-                         f"GPUs in `{SECTION}: devices` (env ROUNDPIPE_DEVICES), e.g. 'cuda:0,cuda:1'.")
+        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {', '.join(problems)} would shard the model, "
+                         f"but RoundPipe replaces DeepSpeed, FSDP and Megatron-LM. {ONE_PROCESS_PER_MACHINE}")
+    num_processes = args.num_processes if args.num_processes is not None else int(config.get("num_processes", 1))
+    num_machines = args.num_machines if args.num_machines is not None else int(config.get("num_machines", 1))
+    per_machine = num_processes / max(num_machines, 1)
+    devices = environ.get(ENV_PREFIX + "DEVICES", "")
+    cpu_workers_only = bool(devices) and all(d.strip() == "cpu" for d in devices.split(",") if d.strip())
+    if per_machine > 1 and not cpu_workers_only:
+        # Every process launched on a machine reads the same ROUNDPIPE_DEVICES (unset: every visible GPU).
+        claimed = f"ROUNDPIPE_DEVICES={devices}" if devices else "every visible GPU (ROUNDPIPE_DEVICES unset)"
+        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {num_processes} process(es) on {num_machines} "
+                         f"machine(s) start {per_machine:g} per machine, each driving {claimed}: that is one process "
+                         f"per GPU. {ONE_PROCESS_PER_MACHINE} (Several processes on one machine are accepted only "
+                         f"with CPU workers, ROUNDPIPE_DEVICES=cpu,...)")
 
 
 def simulate_command(argv: list[str]) -> None:

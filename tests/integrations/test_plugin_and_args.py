@@ -84,8 +84,11 @@ def test_one_process_drives_every_gpu(caplog):
     args = fake_args(n_gpu=4, _n_gpu=4)
     check_training_args(args)
     assert args._n_gpu == 1  # no DataParallel; train_batch_size is not multiplied by the GPU count
-    with pytest.raises(ValueError, match=r"world_size.*num_processes 1"):
-        check_training_args(fake_args(world_size=2))
+    # Several processes (one per machine) are accepted; the loss is then normalised by the global token count.
+    args = fake_args(world_size=2, average_tokens_across_devices=False)
+    with caplog.at_level(logging.WARNING):
+        check_training_args(args)
+    assert args.average_tokens_across_devices is True and "average_tokens_across_devices=True" in caplog.text
     with pytest.raises(ValueError, match="`deepspeed` is set"):
         check_training_args(fake_args(deepspeed="ds.json"))
     args = fake_args(gradient_checkpointing=True)

@@ -141,3 +141,45 @@ def test_help_describes_every_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([])
     assert exit_info.value.code == 2 and "usage: accelerate-roundpipe" in capsys.readouterr().out
+
+
+def test_launch_accepts_one_process_per_machine(tmp_path):
+    """[Note: one process per machine]: --multi_gpu over machines, one process each, goes through; several
+    processes on one machine only with CPU workers."""
+    seen = _launched(["--roundpipe", "--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank",
+                      "0", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500", "train.py"],
+                     env={"ROUNDPIPE_DEVICES": "cuda:0,cuda:1"})
+    assert seen["args"].multi_gpu and seen["args"].num_processes == 2 and seen["args"].num_machines == 2
+    seen = _launched(["--roundpipe", "--multi_gpu", "--num_machines", "4", "train.py"])
+    assert seen["args"].num_processes == 4  # unset: one per machine, not one per GPU
+    seen = _launched(["--roundpipe", "--cpu", "--num_processes", "2", "train.py"], env={"ROUNDPIPE_DEVICES": "cpu,cpu"})
+    assert seen["args"].num_processes == 2
+    config = str(tmp_path / "multi.yaml")
+    config_file.write_config({**config_file.base_accelerate_config(use_cpu=False), "distributed_type": "MULTI_GPU",
+                              "num_machines": 2, "num_processes": 2, "roundpipe": {"enabled": True}}, config)
+    seen = _launched(["--config_file", config, "train.py"])
+    assert seen["args"].training_script == "accelerate_roundpipe.run" and seen["config"]["num_processes"] == 2
+
+
+@pytest.mark.parametrize("argv,env,match", [
+    (["--multi_gpu", "--num_processes", "8"], {}, r"8 process\(es\) on 1 machine\(s\) start 8 per machine, each "
+                                                  r"driving every visible GPU"),
+    (["--num_processes", "2"], {"ROUNDPIPE_DEVICES": "cuda:0,cuda:1"}, "each driving ROUNDPIPE_DEVICES=cuda:0,cuda:1"),
+    (["--multi_gpu", "--num_machines", "2", "--num_processes", "16", "--machine_rank", "0", "--main_process_ip",
+      "10.0.0.1", "--main_process_port", "29500"], {}, "8 per machine"),
+    (["--use_fsdp"], {}, "--use_fsdp would shard the model"),
+    (["--use_deepspeed"], {}, "--use_deepspeed would shard the model"),
+])
+def test_launch_refuses_one_process_per_gpu_and_sharding(argv, env, match):
+    with pytest.raises(SystemExit, match=match) as refused:
+        _launched(["--roundpipe", *argv, "train.py"], env=env)
+    if "per machine" in match:
+        assert "one process per machine" in str(refused.value) and "ROUNDPIPE_DEVICES" in str(refused.value)
+
+
+def test_launch_refuses_a_sharding_config_file(tmp_path):
+    config = str(tmp_path / "fsdp.yaml")
+    config_file.write_config({**config_file.base_accelerate_config(use_cpu=False), "distributed_type": "FSDP",
+                              "roundpipe": {"enabled": True}}, config)
+    with pytest.raises(SystemExit, match="distributed_type: FSDP in the config file"):
+        _launched(["--config_file", config, "train.py"])

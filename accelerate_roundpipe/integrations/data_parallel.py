@@ -1,0 +1,243 @@
+"""What the integrations do differently when several processes (one per machine) train one model.
+
+[Note: one process per machine]
+Data parallelism under RoundPipe is one process per machine (node), each running one engine over that machine's GPUs
+(`ROUNDPIPE_DEVICES`), the processes forming one torch.distributed group: accelerate's MULTI_GPU or MULTI_CPU
+distributed types, `torchrun --nproc-per-node 1`. Accepted: any number of machines with one process each, and several
+processes on one machine when no GPU is claimed twice (CPU workers: the tests; disjoint `CUDA_VISIBLE_DEVICES`).
+Refused: several processes on one machine claiming the same GPU, which is what "one process per GPU" launches do
+(every process sees every GPU, and an unset `devices` means all of them); DeepSpeed, FSDP, Megatron-LM and TPU
+launches (RoundPipe replaces them). The engine must have turned data parallelism on (`engine.data_parallel`, over
+the whole world): a multi-process run whose engines do not reduce would train N different models.
+
+[Note: data-parallel loss scaling]
+The engine SUMS gradients across ranks, and its fused loss (a labelled batch through `model(**batch)` or
+`forward_backward`) is the loss of the GLOBAL batch, the same on every rank, each rank committing its part of that
+loss's gradient: `loss.backward()` with any function of it gives what one process would on the whole batch. DDP
+instead AVERAGES, and scripts and the Trainer are written for that:
+- a loss computed by the caller from logits (a forward-only pipeline: no labels, label smoothing,
+  `compute_loss_func`) is this rank's, as under DDP; its backward is scaled by 1/world_size, so the sum over ranks is
+  DDP's mean (`backward_scale`);
+- `Trainer.compute_loss` multiplies the loss by num_processes when it was normalised by the global token count
+  (`average_tokens_across_devices`), to undo DDP's mean. On a logits loss that stays (the 1/world_size above undoes it,
+  and the logged mean over ranks is the global loss); on the engine's fused loss it is divided out again
+  (`RoundPipeTrainer.compute_loss`), else gradients and logged loss would be num_processes times too large;
+- the count a Trainer batch's loss is normalised by (`num_items_in_batch`) is always the global one under data
+  parallelism (`average_tokens_across_devices` is forced on): each rank's part of the loss is then its token sum over
+  the global count, and the sum over ranks is the whole batch's loss. The engine takes a given `num_items_in_batch`
+  as that global count.
+A loss mixing both kinds (the fused loss plus a term from logits of another pass) cannot be scaled right by one
+factor and is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+
+import torch
+
+MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
+
+ONE_PROCESS_PER_MACHINE = ("RoundPipe drives every GPU of a machine from one process: launch one process per machine "
+                           "(`accelerate launch --num_machines N --num_processes N`, or `torchrun --nnodes N "
+                           "--nproc-per-node 1`) and list that machine's GPUs in ROUNDPIPE_DEVICES (e.g. "
+                           "'cuda:0,cuda:1'; unset means every visible GPU).")
+
+
+def distributed_type_name(distributed_type: object) -> str:
+    return str(getattr(distributed_type, "value", distributed_type)).split(".")[-1]
+
+
+def check_distributed_type(distributed_type: object, num_processes: int) -> None:
+    """Refuse accelerate distributed types RoundPipe replaces; accept one process, or MULTI_CPU/MULTI_GPU."""
+    name = distributed_type_name(distributed_type)
+    if name == "NO" and num_processes <= 1:
+        return
+    if name in MULTI_PROCESS_TYPES:
+        return
+    raise ValueError(f"this run has distributed_type={name} and num_processes={num_processes}, which RoundPipe "
+                     f"replaces. For one machine launch a single process (distributed_type: NO); for several, "
+                     f"distributed_type: MULTI_GPU (or MULTI_CPU) with one process per machine. "
+                     f"{ONE_PROCESS_PER_MACHINE}")
+
+
+# ---------------------------------------------------------------------- GPU claims per machine
+
+def claimed_gpus(devices: Iterable[torch.device | str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """The physical GPUs `devices` use: `cuda:k` is entry k of CUDA_VISIBLE_DEVICES when it is set, else GPU k."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    names = [v.strip() for v in visible.split(",")] if visible else None
+    out = []
+    for device in devices:
+        device = torch.device(device)
+        if device.type != "cuda":
+            continue
+        index = device.index or 0
+        out.append(names[index] if names is not None and index < len(names) else str(index))
+    return out
+
+
+def shared_gpus(claims: list[tuple[str, list[str]]]) -> dict[str, dict[str, list[int]]]:
+    """{host: {gpu: [ranks]}} for each GPU that two or more ranks of one host claim (`claims[rank] = (host,
+    gpus)`)."""
+    owners: dict[str, dict[str, list[int]]] = {}
+    for rank, (host, gpus) in enumerate(claims):
+        for gpu in dict.fromkeys(gpus):
+            owners.setdefault(host, {}).setdefault(gpu, []).append(rank)
+    return {host: {gpu: ranks for gpu, ranks in by_gpu.items() if len(ranks) > 1}
+            for host, by_gpu in owners.items() if any(len(r) > 1 for r in by_gpu.values())}
+
+
+def check_one_process_per_machine(claims: list[tuple[str, list[str]]]) -> None:
+    """Raise when ranks on one host claim the same GPU ([Note: one process per machine])."""
+    shared = shared_gpus(claims)
+    if not shared:
+        return
+    host, by_gpu = next(iter(shared.items()))
+    gpu, ranks = next(iter(by_gpu.items()))
+    raise ValueError(f"ranks {ranks} run on the same machine ({host}) and each drives GPU {gpu} (with "
+                     f"{sum(len(g) for g in shared.values())} GPU(s) shared on {len(shared)} machine(s)): that is one "
+                     f"process per GPU. {ONE_PROCESS_PER_MACHINE}")
+
+
+def gather_claims(devices: Iterable[torch.device | str]) -> list[tuple[str, list[str]]]:
+    """Every rank's (host, claimed GPUs), gathered over the default process group (a collective: all ranks call
+    it)."""
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), claimed_gpus(devices))
+    claims: list = [None] * dist.get_world_size()
+    dist.all_gather_object(claims, mine)
+    return claims
+
+
+# ---------------------------------------------------------------------- the engine side
+
+def engine_world(engine: object) -> tuple[int, int] | None:
+    """(rank, world_size) of the engine's data-parallel group, or None when it trains alone."""
+    data_parallel = getattr(engine, "data_parallel", None)
+    if data_parallel is None:
+        return None
+    return data_parallel.rank, data_parallel.world_size
+
+
+def check_engine_data_parallel(engine: object, num_processes: int) -> None:
+    """A multi-process run needs engines that reduce over all processes ([Note: one process per machine])."""
+    world = engine_world(engine)
+    if num_processes <= 1:
+        return
+    if world is None:
+        raise ValueError(f"this run has {num_processes} processes, but the RoundPipe engine is not data-parallel "
+                         f"(data_parallel off, env ROUNDPIPE_DATA_PARALLEL, or an engine without data-parallel "
+                         f"support): each process would train its own model on its share of the data. Turn "
+                         f"data_parallel on, or launch a single process.")
+    if world[1] != num_processes:
+        raise ValueError(f"the RoundPipe engine's data-parallel group has {world[1]} ranks but this run has "
+                         f"{num_processes} processes; the engine must reduce over every process of the run.")
+
+
+# ---------------------------------------------------------------------- loss scaling
+
+DEFERRED, PIPELINE, MIXED, OTHER = "deferred", "pipeline", "mixed", "other"
+
+
+def loss_kind(loss: torch.Tensor, max_nodes: int = 100_000) -> str:
+    """Which of the engine's autograd nodes `loss` reaches: the fused pass's deferred commit (`DEFERRED`), a
+    forward-only pipeline (`PIPELINE`), both (`MIXED`) or neither (`OTHER`)."""
+    from ..runtime.deferred import DeferredLoss
+    from ..runtime.engine import _PipelineBackward
+
+    deferred_node, pipeline_node = DeferredLoss._backward_cls, _PipelineBackward._backward_cls
+    found = set()
+    stack, seen = [loss.grad_fn], set()
+    while stack and len(seen) < max_nodes:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, deferred_node):
+            found.add(DEFERRED)
+            continue  # the engine's node: what lies behind it is the engine's anchor
+        if isinstance(node, pipeline_node):
+            found.add(PIPELINE)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if len(found) == 2:
+        return MIXED
+    return found.pop() if found else OTHER
+
+
+def backward_scale(kind: str, world_size: int) -> float:
+    """What a loss of `kind` is multiplied by before its backward ([Note: data-parallel loss scaling])."""
+    if world_size <= 1 or kind in (DEFERRED, OTHER):
+        return 1.0
+    if kind == PIPELINE:
+        return 1.0 / world_size
+    raise ValueError("under data parallelism this loss combines the model's own loss (a labelled batch) with a loss "
+                     "computed from logits of another pass; the first is already the global batch's, the second "
+                     "this rank's, and no single scale makes both right. Compute the loss from one pass: pass "
+                     "`labels` and use the model's loss, or call the model without `labels` and compute the whole "
+                     "loss from its logits.")
+
+
+def trainer_loss_multiplier(average_tokens_across_devices: bool, counts_items: bool, num_items_in_batch: object,
+                            num_processes: int, tp_size: int = 1, n_gpu: int = 1) -> int:
+    """The factor `transformers.Trainer.compute_loss` (5.x) multiplies the loss by, to undo DDP's mean when the loss
+    was normalised by the global token count; `counts_items` is `model_accepts_loss_kwargs or compute_loss_func`."""
+    if not (average_tokens_across_devices and counts_items and num_items_in_batch is not None):
+        return 1
+    return num_processes // tp_size if n_gpu <= 1 else n_gpu
+
+
+# ---------------------------------------------------------------------- checkpoint files and agreement
+
+def rank_suffix(rank: int, world_size: int) -> str:
+    """Inserted before a per-rank file's extension: '' for one process, else '.rank<r>-of-<n>'."""
+    return "" if world_size <= 1 else f".rank{rank}-of-{world_size}"
+
+
+def per_rank_name(filename: str, rank: int, world_size: int) -> str:
+    """`optimizer.pt` -> `optimizer.rank1-of-2.pt` (unchanged for one process)."""
+    stem, ext = os.path.splitext(filename)
+    return f"{stem}{rank_suffix(rank, world_size)}{ext}"
+
+
+def missing_shard_error(directory: str, filename: str, rank: int, world_size: int) -> FileNotFoundError:
+    """The error for a checkpoint without this rank's shard: says which world size wrote it, when it can."""
+    stem, ext = os.path.splitext(filename)
+    found = sorted(f for f in os.listdir(directory) if f.startswith(stem + ".rank") and f.endswith(ext)) \
+        if os.path.isdir(directory) else []
+    written = f"; it holds {', '.join(found)}" if found else ""
+    return FileNotFoundError(f"{directory} has no {per_rank_name(filename, rank, world_size)} (rank {rank} of "
+                             f"{world_size}){written}. Each rank's optimizer state is a shard: resume with the "
+                             f"number of processes that wrote the checkpoint.")
+
+
+class RankAgreement:
+    """All ranks agreeing that each succeeded: a MIN all-reduce of a flag, on the device the group's backend
+    needs. Used around checkpoint writes so a rank that failed makes every rank fail instead of leaving them
+    waiting at a barrier."""
+
+    def __init__(self, group=None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        backend = dist.get_backend(group)
+        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+    def all_ok(self, ok: bool) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+
+def collective_device(state) -> torch.device:
+    """Where accelerate's collectives need tensors: the state's device for NCCL-like backends, else the CPU (the
+    RoundPipe caller keeps its tensors in host memory)."""
+    backend = getattr(state, "backend", None)
+    return torch.device("cpu") if backend in (None, "gloo", "mpi") else state.device

@@ -1,0 +1,181 @@
+"""Data parallelism end to end through the integrations (issue 17): the stock Accelerate loop and the stock Trainer
+script, unedited, launched as TWO processes on this machine (CPU workers, gloo), against ONE process on the whole
+batch (each rank gets half of it): the same losses, gradient norms (clipping on), evaluation and saved model, the
+optimizer state written per rank, and a resume that repeats the uninterrupted run.
+
+Two CPU processes: `accelerate launch --cpu --num_processes 2` starts ONE process in accelerate 1.15 (without an
+mpirun hostfile its CPU path is the simple launcher), so the runs use torchrun, as accelerate's multi-GPU launcher
+does, with `ACCELERATE_USE_CPU=true` (the loop's `Accelerator()` then picks MULTI_CPU with gloo) or the Trainer's
+`--use_cpu true`. Skipped until the engine supports data parallelism (`accelerate_roundpipe.runtime.data_parallel`).
+Each launched run takes tens of seconds on two cores: the whole file is marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate_roundpipe.runtime.data_parallel")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "integration_tests"))
+from roundpipe_testing import (  # noqa: E402
+    LOOP_SCRIPT,
+    TRAINER_SCRIPT,
+    assert_close_lists,
+    loop_args,
+    loop_losses,
+    run_subprocess,
+    subprocess_env,
+    trainer_args,
+    trainer_log,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVE_AT, GLOBAL_BATCH, WORLD = 6, 3, 4, 2
+ONE_PROCESS_ENV = {"ROUNDPIPE_DEVICES": "cpu,cpu", "ROUNDPIPE_NUM_MICROBATCHES": "2",
+                   "ROUNDPIPE_ASYNC_OPTIMIZER": "false"}
+PER_RANK_ENV = {"ROUNDPIPE_DEVICES": "cpu", "ROUNDPIPE_NUM_MICROBATCHES": "1", "ROUNDPIPE_ASYNC_OPTIMIZER": "false",
+                "ACCELERATE_USE_CPU": "true"}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> str:
+    from accelerate_roundpipe.tiny.data import write_assets
+
+    return write_assets(str(tmp_path_factory.mktemp("tiny_assets")))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_process(script: str, argv: list[str], tmp: str) -> None:
+    run_subprocess([sys.executable, "-m", "accelerate_roundpipe.run", script, *argv],
+                   subprocess_env(tmp, ONE_PROCESS_ENV), timeout=300)
+
+
+def two_processes(script: str, argv: list[str], tmp: str) -> None:
+    run_subprocess([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
+                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "accelerate_roundpipe.run",
+                    script, *argv], subprocess_env(tmp, PER_RANK_ENV), timeout=420)
+
+
+def with_batch(argv: list[str], rows: int) -> list[str]:
+    return [*argv, "--per_device_train_batch_size", str(rows), "--per_device_eval_batch_size", str(rows)]
+
+
+def assert_same_weights(ours: str, reference: str, atol: float = 1e-5) -> None:
+    from transformers import AutoModelForCausalLM
+
+    mine = AutoModelForCausalLM.from_pretrained(ours).state_dict()
+    for name, tensor in AutoModelForCausalLM.from_pretrained(reference).state_dict().items():
+        torch.testing.assert_close(mine[name], tensor, atol=atol, rtol=0, msg=name)
+
+
+def assert_per_rank_optimizer_files(directory: str, name: str) -> None:
+    stem, ext = os.path.splitext(name)
+    files = os.listdir(directory)
+    assert sorted(f for f in files if f.startswith(stem)) == [f"{stem}.rank{r}-of-{WORLD}{ext}" for r in range(WORLD)]
+    assert f"roundpipe_engine_state.rank1-of-{WORLD}.json" in files
+
+
+# ---------------------------------------------------------------------- the Accelerate loop
+
+@pytest.fixture(scope="module")
+def loop_runs(assets, tmp_path_factory):
+    one = str(tmp_path_factory.mktemp("loop_one"))
+    one_process(LOOP_SCRIPT, with_batch(loop_args(assets, one, STEPS, "--checkpointing_steps", str(SAVE_AT)),
+                                        GLOBAL_BATCH), one)
+    two = str(tmp_path_factory.mktemp("loop_two"))
+    two_processes(LOOP_SCRIPT, with_batch(loop_args(assets, two, STEPS, "--checkpointing_steps", str(SAVE_AT)),
+                                          GLOBAL_BATCH // WORLD), two)
+    return one, two
+
+
+def test_accelerate_loop_two_processes_equal_one_process_on_the_whole_batch(loop_runs):
+    one, two = loop_runs
+    # Rank 0's losses are the global batch's (the engine's loss), as one process on the whole batch logs them.
+    assert_close_lists(loop_losses(two), loop_losses(one), "two processes vs one, loop losses")
+    with open(os.path.join(one, "all_results.json")) as f, open(os.path.join(two, "all_results.json")) as g:
+        assert json.load(g)["perplexity"] == pytest.approx(json.load(f)["perplexity"], rel=1e-5)
+    assert_same_weights(two, one)
+    checkpoint = os.path.join(two, f"step_{SAVE_AT}")
+    assert_per_rank_optimizer_files(checkpoint, "optimizer.bin")
+    assert "model.safetensors" in os.listdir(checkpoint)
+    assert {f"random_states_{r}.pkl" for r in range(WORLD)} <= set(os.listdir(checkpoint))
+
+
+def test_accelerate_loop_resumes_each_rank_from_its_shard(assets, loop_runs, tmp_path):
+    _, two = loop_runs
+    resumed = str(tmp_path / "resumed")
+    argv = loop_args(assets, resumed, STEPS, "--resume_from_checkpoint", os.path.join(two, f"step_{SAVE_AT}"))
+    two_processes(LOOP_SCRIPT, with_batch(argv, GLOBAL_BATCH // WORLD), str(tmp_path))
+    assert_close_lists(loop_losses(resumed), loop_losses(two)[SAVE_AT:], "resumed vs uninterrupted, loop losses")
+
+
+# ---------------------------------------------------------------------- the Trainer
+
+def trainer_run_args(assets: str, out: str, rows: int, *extra: str) -> list[str]:
+    return with_batch(trainer_args(assets, out, STEPS, "--do_eval", "--max_grad_norm", "1.0", *extra), rows)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(assets, tmp_path_factory):
+    saving = ("--save_strategy", "steps", "--save_steps", str(SAVE_AT))
+    one = str(tmp_path_factory.mktemp("trainer_one"))
+    one_process(TRAINER_SCRIPT, trainer_run_args(assets, one, GLOBAL_BATCH, *saving), one)
+    two = str(tmp_path_factory.mktemp("trainer_two"))
+    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *saving), two)
+    return one, two
+
+
+def _eval_loss(output_dir: str) -> float:
+    with open(os.path.join(output_dir, "eval_results.json")) as f:
+        return json.load(f)["eval_loss"]
+
+
+def test_trainer_two_processes_equal_one_process_on_the_whole_batch(trainer_runs):
+    one, two = trainer_runs
+    ours, theirs = trainer_log(two), trainer_log(one)
+    assert_close_lists([e["loss"] for e in ours], [e["loss"] for e in theirs], "two processes vs one, Trainer loss")
+    assert_close_lists([e["grad_norm"] for e in ours], [e["grad_norm"] for e in theirs], "grad norms (clipping)")
+    assert _eval_loss(two) == pytest.approx(_eval_loss(one), rel=1e-5)
+    assert_same_weights(two, one)
+    assert not [d for d in os.listdir(two) if d.startswith("tmp-")]  # every staged checkpoint was renamed
+    checkpoint = os.path.join(two, f"checkpoint-{SAVE_AT}")
+    assert_per_rank_optimizer_files(checkpoint, "optimizer.pt")
+    files = set(os.listdir(checkpoint))
+    assert {"model.safetensors", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= files
+
+
+def test_trainer_resumes_each_rank_from_its_shard(assets, trainer_runs, tmp_path):
+    _, two = trainer_runs
+    resumed = str(tmp_path / "resumed")
+    checkpoint = os.path.join(two, f"checkpoint-{SAVE_AT}")
+    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH // WORLD, "--resume_from_checkpoint",
+                                                   checkpoint), str(tmp_path))
+    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
+    assert_close_lists(after, [e["loss"] for e in trainer_log(two) if e["step"] > SAVE_AT], "resumed vs uninterrupted")
+
+
+@pytest.mark.parametrize("extra", [
+    ("--gradient_accumulation_steps", "2"),  # num_items_in_batch spans the window, over both ranks
+    ("--label_smoothing_factor", "0.1"),  # the loss from logits: the Trainer's x2 and RoundPipe's 1/2
+], ids=["accumulation", "label-smoothing"])
+def test_trainer_loss_scaling_paths(assets, tmp_path, extra):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    one_process(TRAINER_SCRIPT, trainer_run_args(assets, one, GLOBAL_BATCH, *extra), str(tmp_path))
+    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *extra), str(tmp_path))
+    ours, theirs = trainer_log(two), trainer_log(one)
+    assert_close_lists([e["loss"] for e in ours], [e["loss"] for e in theirs], f"losses with {' '.join(extra)}")
+    assert_close_lists([e["grad_norm"] for e in ours], [e["grad_norm"] for e in theirs], "grad norms")
+    assert_same_weights(two, one)
