@@ -19,13 +19,13 @@ the largest PCIe traffic after the weights; nothing changes in the maths.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from ..config import RoundPipeConfig
 from ..plan.layer_costs import LayerCosts
-from ..plan.microbatch_choice import choose_one_device_plan
 from ..plan.one_device import plan_one_device
 from ..plan.partition import Partition
 from ..plan.planned_partition import PlannedPartition
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SAVED_INPUT_SHARE = 0.25  # of the memory budget, for saved inputs kept on the device under a static plan
 PLAN_SHARE = 0.8  # of the memory budget, for the stages the planner sizes
 PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure for the planner's transfer times
+MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
 def memory_budget_bytes(config: RoundPipeConfig, devices: list[Device]) -> float | None:
@@ -105,7 +106,10 @@ class MeasuredPlan:
     def _plan(self, costs: LayerCosts, budget: float, num_mb: int, rows: int) -> tuple[PlannedPartition, int]:
         """The partition (and micro-batch count) for measured `costs` of `num_mb` micro-batches of a `rows`-row batch.
 
-        One device without an explicit `num_microbatches`: [Note: one-device micro-batch count]."""
+        One device without an explicit `num_microbatches`: the fewest micro-batches (larger ones keep the GPU busier
+        per kernel and per Python call; an H200 ran Qwen3-1.7B 11% faster with 1 than with 2) for which the whole
+        model fits the fused stage, activation bytes scaled with the micro-batch size; if none does, the measured
+        count with the largest fused stage that fits."""
         per_round = self.config.microbatches_per_round
 
         def settings_for(count: int) -> PlanSettings:
@@ -116,5 +120,15 @@ class MeasuredPlan:
         if len(self.devices) > 1:
             return plan_from_costs(costs, settings_for(num_mb)), num_mb
         if self.config.num_microbatches is None:
-            return choose_one_device_plan(costs, num_mb, rows, settings_for)
+            for count in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
+                scale = num_mb / count  # micro-batch rows relative to the measured pass
+                scaled = dataclasses.replace(costs, act_bytes=[a * scale for a in costs.act_bytes],
+                                             input_bytes=[b * scale for b in costs.input_bytes],
+                                             work_bytes=[w * scale for w in costs.work_bytes])
+                try:
+                    planned = plan_one_device(scaled, settings_for(count))
+                except ValueError:
+                    continue
+                if planned.partition.forward == ():
+                    return planned, count
         return plan_one_device(costs, settings_for(num_mb)), num_mb
