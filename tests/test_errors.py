@@ -175,6 +175,32 @@ def test_step_between_forward_and_backward_is_refused():
     engine.close()
 
 
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_a_look_between_forward_and_backward_changes_nothing(async_optimizer):
+    """`synchronize()` (what `accelerator.unwrap_model` does; TRL's DPO calls it between the policy's forward and
+    its backward) writes the newest weights where the host reads them but changes no version a pass reads: the
+    backward runs, with the gradients of a run that did not look."""
+    grads = []
+    for look in (False, True):
+        torch.manual_seed(0)
+        engine = RoundPipe(small().double(), RoundPipeConfig(devices=["cpu"], async_optimizer=async_optimizer))
+        optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+        x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for _ in range(2):  # a step taken: an exact step's version sits in the optimizer copy, a lagged one is held
+            engine(x).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out = engine(x)
+        if look:
+            engine.synchronize()
+        out.square().sum().backward()
+        engine.synchronize()
+        grads.append([p.grad.clone() for p in engine.parameters()])
+        engine.close()
+    for plain, looked in zip(*grads):
+        torch.testing.assert_close(looked, plain, rtol=0, atol=0)
+
+
 def test_closed_engine_says_so():
     engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
     fb(engine)

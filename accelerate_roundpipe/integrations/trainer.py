@@ -50,7 +50,6 @@ from .grad_norm import LateGradNorm
 from .staged_checkpoint import staged
 from .traces import write_traces
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args
-from .trl import refuse_adapter_toggled_reference
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +152,6 @@ class RoundPipeTrainer(Trainer):
         """A model other than the one this Trainer trains, prepared for evaluation only: TRL's DPO reference model.
         It goes on RoundPipe frozen (see `RoundPipeAccelerator.frozen_for_evaluation`)."""
         return all(model is not mine for mine in (getattr(self, "model", None), getattr(self, "model_wrapped", None)))
-
-    def train(self, *args, **kwargs):
-        refuse_adapter_toggled_reference(self)
-        return super().train(*args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # the weights live in RoundPipe's host store; the engine moves what the devices need

@@ -14,7 +14,8 @@ What makes TRL work on the engine:
 - a DPO reference model is put on RoundPipe too, frozen (`RoundPipeTrainer._is_auxiliary_model`): its weights stay in
   host memory as compute copies only, with no optimizer copy or gradient buffer, and stream to the same devices as
   the policy's, so a reference as large as the policy needs no GPU memory of its own;
-- a PEFT policy without a reference model is refused (`refuse_adapter_toggled_reference`).
+- a PEFT policy without a reference model works as in TRL: the reference log-probabilities come with the adapters
+  disabled, a switch the devices' layer copies follow ([Note: adapter switches] in `runtime/adapter_switches.py`).
 
 `trl` is imported when a class is first used, so this module imports without TRL installed.
 """
@@ -51,22 +52,3 @@ def _roundpipe_trl_trainer(trl_name: str) -> type:
     )
     # Under the launcher `base` already sits on RoundPipeTrainer; listing it again keeps the same order.
     return type(f"RoundPipe{trl_name}", (base, RoundPipeTrainer), {"__doc__": doc, "__module__": __name__})
-
-
-def refuse_adapter_toggled_reference(trainer) -> None:
-    """TRL's preference trainers with a PEFT policy and no reference model take the reference log-probabilities with
-    the adapters disabled (`model.disable_adapter()`). That flag is set on the user's modules, but the engine's
-    devices run their own copies of the layers, which would keep the adapters on: the reference would silently be
-    the policy. Refused, with the fixes."""
-    from accelerate.utils import is_peft_model
-
-    if "ref_model" not in vars(trainer) or trainer.ref_model is not None or not is_peft_model(trainer.model):
-        return
-    if getattr(trainer.args, "precompute_ref_log_probs", False):
-        return  # computed once before training, on the model as the user built it
-    raise ValueError(
-        f"{type(trainer).__name__} has a PEFT model and no `ref_model`, so TRL would take the reference "
-        f"log-probabilities by disabling the adapters, which RoundPipe's device copies of the layers do "
-        f"not see. Pass `ref_model=` (the base model, e.g. `AutoModelForCausalLM.from_pretrained(...)`: "
-        f"it runs on RoundPipe frozen) or set `precompute_ref_log_probs=True`."
-    )

@@ -65,6 +65,11 @@ class Dispatcher:
             done.get(self.failure)
         self._inflight.clear()
 
+    def layer_copies(self) -> list[tuple[int, object]]:
+        """(layer index, module) of every device's copies of the layers ([Note: adapter switches])."""
+        return [(index, copy.module) for worker in self.workers or []
+                for index, copy in worker.residency.copies.items()]
+
     def wait_tasks_left_workers(self, timeout_s: float = 10.0) -> None:
         """After `wait_inflight`: wait until every worker thread is past its last task, so its trace span is
         recorded (a task's commit thread may set `done` while the worker still closes the span)."""

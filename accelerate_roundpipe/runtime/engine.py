@@ -24,6 +24,7 @@ from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
+from .adapter_switches import AdapterSwitches
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
@@ -146,6 +147,7 @@ class RoundPipe(nn.Module):
         # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
         self._torn = TornGuard(self._store.buckets, self._failure)
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
+        self._adapters = AdapterSwitches(list(pipeline), self._is_trainable)  # [Note: adapter switches]
         self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
         # Lines the integrations add to the start summary (e.g. "clipping"), which the engine cannot know itself.
@@ -172,6 +174,10 @@ class RoundPipe(nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def _is_trainable(self, param: nn.Parameter) -> bool:
+        """Whether the host store keeps an optimizer copy (and gradients) for the user's `param`."""
+        return self._store.buckets[self._store.bucket_of[id(param)][0]].trainable
 
     @property
     def layer_costs(self) -> LayerCosts | None:
@@ -227,6 +233,7 @@ class RoundPipe(nn.Module):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         self._before_pass()
+        self._follow_adapter_switches(training=True)
         inputs = tensor_tuple(inputs, "forward_backward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs)
         self.counters.count(inputs[0])
@@ -275,6 +282,7 @@ class RoundPipe(nn.Module):
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
+        adapter_setting = self._follow_adapter_switches(training=keep_for_backward)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
         state = PassState(self._new_pass_index(), Mode.FORWARD, self._modules["module"].training,
@@ -294,16 +302,18 @@ class RoundPipe(nn.Module):
                                 "so use forward_backward(...) for a layer that returns the loss.")
             outputs.append(torch.cat([p[k] for p in pieces], dim=0))
         if keep_for_backward:
-            epochs = [b.reads.reserved_writes for b in self._store.buckets]
+            state.adapter_setting = adapter_setting  # its backward recomputes with it ([Note: adapter switches])
+            epochs = [b.new_versions_reserved for b in self._store.buckets]
             outputs = list(_PipelineBackward.apply(self, state, epochs, torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _backward_pass(self, state: PassState, epochs: list[int], grads: tuple) -> None:
         self._failure.check()
-        if any(b.reads.reserved_writes != e for b, e in zip(self._store.buckets, epochs)):
-            raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() or "
-                               "synchronize() ran in between), so the recomputation would differ from the forward. "
-                               "Call backward before stepping the optimizer.")
+        if any(b.new_versions_reserved != e for b, e in zip(self._store.buckets, epochs)):
+            raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() ran in "
+                               "between), so the recomputation would differ from the forward. Call backward before "
+                               "stepping the optimizer.")
+        self._show_adapter_setting(state.adapter_setting)
         rows = state.microbatch_rows
         split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]
         mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
@@ -472,6 +482,18 @@ class RoundPipe(nn.Module):
             self._finalizer = weakref.finalize(self, self._background.abandon)
             announce(engine_summary(self), self.config.resolved_summary)
         self._dispatch.forget_finished()
+
+    def _follow_adapter_switches(self, training: bool) -> tuple:
+        """[Note: adapter switches]: PEFT's switches set on the user's layers reach the devices' copies; returns the
+        setting the pass runs with."""
+        setting = self._adapters.check(training)
+        self._show_adapter_setting(setting)
+        return setting
+
+    def _show_adapter_setting(self, setting: tuple) -> None:
+        if self._adapters.needs(setting):
+            self._dispatch.wait_inflight()  # the passes in flight run with the copies' old setting
+            self._adapters.show(setting, self._dispatch.layer_copies())
 
     def _release_writebacks(self) -> None:
         if self.optimizer is not None:

@@ -85,6 +85,10 @@ class Bucket:
     # The version the next training pass reads, kept aside while a look shows a lagged step's newer weights in
     # `compute` ([Note: looking changes nothing]); dropped by the held write-back.
     stash: torch.Tensor | None = None
+    # Writes reserved so far that change the version readers get (an exact step, a lagged step's write-back), not
+    # those that copy the current version from the optimizer copy into the compute copy: a pass's backward checks it
+    # recomputes with the weights its forward read.
+    new_versions_reserved: int = 0
 
     @property
     def current_in_optim(self) -> bool:

@@ -34,6 +34,7 @@ class PassState:
     profile: Any = None  # a LayerProfile while the pass is measured for the planner
     input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
     reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
+    adapter_setting: tuple = ()  # PEFT's switches its forward ran with ([Note: adapter switches])
 
     @property
     def num_microbatches(self) -> int:

@@ -106,6 +106,8 @@ class LaggedOptimizer(torch.optim.Optimizer):
             if not lagged:
                 entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write())
                            for bucket in self._step_order]
+                for bucket in self._step_order:
+                    bucket.new_versions_reserved += 1
                 self.thread.submit(self._exact_step_job(entries, member_groups, clip))
                 self._stale_compute.update((bucket.index, bucket) for bucket in self._step_order)
                 return
@@ -252,7 +254,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         """Queue the write-backs of the exact steps not written back yet ([Note: exact step without write-back])."""
         stale, self._stale_compute = self._stale_compute, {}
         for bucket in stale.values():
-            self._submit_writeback(bucket)
+            self._submit_writeback(bucket, new_version=False)  # the version readers get already: no change
 
     def _exact_step_job(self, entries: list[tuple[Bucket, int, int]], member_groups,
                         clip: StepNorm | None) -> Callable[[], None]:
@@ -277,8 +279,9 @@ class LaggedOptimizer(torch.optim.Optimizer):
 
         return step_as_gradients_land
 
-    def _submit_writeback(self, bucket: Bucket) -> None:
+    def _submit_writeback(self, bucket: Bucket, new_version: bool) -> None:
         ticket = bucket.reads.reserve_write()
+        bucket.new_versions_reserved += new_version
         self.thread.submit(lambda: self._write_back(bucket, ticket))
 
     def release_writebacks(self) -> None:
@@ -286,7 +289,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         held, self._held_writebacks = self._held_writebacks, []
         with self.failure.reserving("a write-back"):  # [Note: interrupted reservations]
             for bucket in held:
-                self._submit_writeback(bucket)
+                self._submit_writeback(bucket, new_version=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()

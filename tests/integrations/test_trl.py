@@ -293,18 +293,26 @@ def test_roundpipe_dpo_trainer_gives_the_plain_dpo_run(trl, tokenizer, roundpipe
     assert not any(p.requires_grad for p in ours.ref_model.parameters())
 
 
-def test_peft_policy_without_reference_is_refused(trl, tokenizer, roundpipe_env, tmp_path):
-    """With a PEFT policy and no `ref_model`, TRL would disable the adapters for the reference, which the devices'
-    layer copies do not see: refused at `train()`, naming both fixes."""
+def test_peft_policy_without_reference_gives_the_plain_dpo_run(trl, tokenizer, roundpipe_env, tmp_path):
+    """With a PEFT policy and no `ref_model`, TRL takes the reference log-probabilities with the adapters disabled
+    (`model.disable_adapter()`): the switch reaches the devices' layer copies ([Note: adapter switches]), so the
+    losses, log-probabilities and rewards are the plain run's (rewards non-zero once the adapters have trained)."""
     from peft import LoraConfig, get_peft_model
 
     from accelerate_roundpipe.integrations.trl import RoundPipeDPOTrainer
 
-    model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    args = trl.DPOConfig(**common_args(tmp_path), max_length=48)
-    trainer = RoundPipeDPOTrainer(model=model, args=args, train_dataset=dpo_dataset(), processing_class=tokenizer)
-    with pytest.raises(ValueError, match=r"ref_model=.*precompute_ref_log_probs=True"):
+    def peft_run(trainer_class, output_dir):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_model(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        args = trl.DPOConfig(**common_args(output_dir), max_length=48)
+        trainer = trainer_class(model=model, args=args, train_dataset=dpo_dataset(), processing_class=tokenizer)
         trainer.train()
+        return trainer
+
+    plain = peft_run(trl.DPOTrainer, tmp_path / "plain")
+    ours = peft_run(RoundPipeDPOTrainer, tmp_path / "rp")
+    assert_logs_close(logged(ours, DPO_LOGGED), logged(plain, DPO_LOGGED), "PEFT DPO losses, logps, rewards")
+    assert any(abs(entry[1]) > 1e-6 for entry in logged(ours, ("rewards/chosen", "rewards/margins"))[1:])
 
 
 # ---------------------------------------------------------------------- without TRL
