@@ -296,3 +296,33 @@ def mismatched_settings(rank: int, world_size: int) -> dict:
         out["lbfgs"] = str(error)
     engine.close()
     return out
+
+
+def hugging_face_loss_counts_the_global_batch(rank: int, world_size: int) -> None:
+    """A tiny Llama: `forward_backward` and the stock `model(**batch).loss.backward()` (deferred) on each rank's
+    rows give the loss of HF's model on the whole global batch (mean over all its label tokens, unevenly spread
+    over the ranks) and, summed over the ranks, its gradients."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from accelerate_roundpipe import wrap_model
+
+    from split_helpers import assert_same_gradients, build_model, make_batch, reference_loss
+
+    model = build_model("llama")
+    batch = make_batch("mixed")  # 3 rows with different label counts: rank 0 takes 2, rank 1 one
+    reference = copy.deepcopy(model)
+    expected_loss = reference_loss(reference, batch)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu"], num_microbatches=1, wait_timeout_s=60))
+    loss = engine.forward_backward(**mine)
+    model.train()
+    out = model(**mine)
+    out.loss.backward()
+    assert_close(loss, expected_loss.detach(), RTOL, "loss of forward_backward")
+    assert_close(out.loss.detach(), expected_loss.detach(), RTOL, "loss of model(**batch)")
+    assert_same_gradients(summed_grads(engine), {n: 2 * g for n, g in expected.items()})
+    engine.close()

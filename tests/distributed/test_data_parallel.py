@@ -63,3 +63,7 @@ def test_mismatched_settings_are_refused_at_construction():
         assert "number of devices: rank 0: 1; rank 1: 2" in report["engine"], report
         assert "torch.optim.adamw.AdamW" in report["optimizer"] and "torch.optim.sgd.SGD" in report["optimizer"]
         assert "LBFGS" in report["lbfgs"] and "element-wise" in report["lbfgs"]
+
+
+def test_a_hugging_face_model_counts_the_labels_of_the_global_batch():
+    run_ranks(dp_scenarios.hugging_face_loss_counts_the_global_batch, 2, timeout_s=180)
