@@ -46,6 +46,7 @@ What every rank computes is what ONE process would compute on the whole global b
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 
 from .host_store import HostStore
+from .sync import POLL_S, FailureFlag, SerialExecutor
 
 
 class DataParallelError(RuntimeError):
@@ -125,7 +127,10 @@ class DataParallelGroup:
         # independently. Host tensors throughout (the host store), hence gloo whatever the default backend is.
         self.caller_group = dist.new_group(backend="gloo", timeout=timeout)
         self.optimizer_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.in_flight: tuple[str, float] | None = None  # the optimizer thread's collective, for a timeout's message
+        # The engine's: the optimizer thread abandons its collective when the engine fails (its peers may never
+        # join it), so that close() does not wait for gloo's timeout. Set by the engine.
+        self.failure: FailureFlag | None = None
+        self._runner: SerialExecutor | None = None  # runs the optimizer thread's collectives (`_run_abandonable`)
 
     def __repr__(self) -> str:
         return f"DataParallelGroup(rank={self.rank}, world_size={self.world_size})"
@@ -146,19 +151,50 @@ class DataParallelGroup:
 
     def _run(self, what: str, collective: Callable[[], Any]) -> Any:
         started = time.monotonic()
-        self.in_flight = (what, started)
         try:
             return collective()
-        except DataParallelError:
-            raise
         except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError subclasses
-            raise DataParallelError(
-                f"{what} across the {self.world_size} data-parallel processes failed on rank {self.rank} after "
-                f"{time.monotonic() - started:.1f} s: {type(error).__name__}: {error}. A peer rank has probably "
-                f"failed, been killed or stalled for longer than the timeout ({self.timeout_s:g} s, wait_timeout_s / "
-                f"ROUNDPIPE_WAIT_TIMEOUT_S): look at the other ranks' errors.") from error
-        finally:
-            self.in_flight = None
+            raise self._error(what, started, error) from error
+
+    def _error(self, what: str, started: float, error: BaseException) -> DataParallelError:
+        return DataParallelError(
+            f"{what} across the {self.world_size} data-parallel processes failed on rank {self.rank} after "
+            f"{time.monotonic() - started:.1f} s: {type(error).__name__}: {error}. A peer rank has probably "
+            f"failed, been killed or stalled for longer than the timeout ({self.timeout_s:g} s, wait_timeout_s / "
+            f"ROUNDPIPE_WAIT_TIMEOUT_S): look at the other ranks' errors.")
+
+    def _run_abandonable(self, what: str, collective: Callable[[], Any]) -> None:
+        """An optimizer-thread collective, run on a helper thread while the optimizer thread waits in slices, so
+        that a failure of this engine elsewhere abandons the wait (`FailureFlag.check` raises `Aborted` in engine
+        threads) and `close()` need not wait for gloo's timeout: the peers of a failed rank may never join it.
+        (gloo's asynchronous reduce-scatter cannot be polled: its work runs inside `wait()`.)"""
+        started = time.monotonic()
+        done = threading.Event()
+        outcome: list[BaseException | None] = [None]
+
+        def run() -> None:
+            try:
+                collective()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                outcome[0] = error
+            finally:
+                done.set()
+
+        if self._runner is None:
+            self._runner = SerialExecutor(FailureFlag(), "roundpipe-collectives")  # never fails: errors are handed on
+        self._runner.submit(run)
+        while not done.wait(POLL_S):
+            if time.monotonic() - started > self.timeout_s + 10 * POLL_S:  # gloo's own timeout did not fire
+                raise self._error(what, started, TimeoutError(f"no result after {self.timeout_s:g} s"))
+            if self.failure is not None:
+                self.failure.check()
+        if outcome[0] is not None:
+            raise self._error(what, started, outcome[0]) from outcome[0]
+
+    def close(self) -> None:
+        """Stop the helper thread once its collective (if any) ends; the engine is closing."""
+        if self._runner is not None:
+            self._runner.stop()
 
     # ------------------------------------------------------------------ the caller's collectives
 
@@ -222,15 +258,17 @@ class DataParallelGroup:
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
         """`out` = this rank's range of the sum over ranks of `flat`."""
         collective = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-        self._run(f"the reduce-scatter of {what}", lambda: collective(out, flat, group=self.optimizer_group))
+        self._run_abandonable(f"the reduce-scatter of {what}",
+                              lambda: collective(out, flat, group=self.optimizer_group))
 
     def all_gather(self, flat: torch.Tensor, what: str) -> None:
         """Fill `flat` with every rank's range (this rank's own range is read in place)."""
         lo, hi = self.shard_range(flat.numel())
         collective = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        self._run(f"the all-gather of {what}", lambda: collective(flat, flat[lo:hi], group=self.optimizer_group))
+        self._run_abandonable(f"the all-gather of {what}",
+                              lambda: collective(flat, flat[lo:hi], group=self.optimizer_group))
 
     def sum_on_optimizer_thread(self, value: float, what: str) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)
-        self._run(what, lambda: self.dist.all_reduce(tensor, group=self.optimizer_group))
+        self._run_abandonable(what, lambda: self.dist.all_reduce(tensor, group=self.optimizer_group))
         return float(tensor[0])

@@ -141,6 +141,8 @@ class RoundPipe(nn.Module):
         self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
+        if self.data_parallel is not None:
+            self.data_parallel.failure = self._failure
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._num_passes = 0
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
@@ -418,6 +420,8 @@ class RoundPipe(nn.Module):
                 if self._finalizer is not None:
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
+                if self.data_parallel is not None:
+                    self.data_parallel.close()
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()

@@ -238,25 +238,40 @@ def small_run_and_foreign_shard(rank: int, world_size: int, checkpoint_path: str
     engine.close()
 
 
-def a_rank_fails(rank: int, world_size: int, how: str) -> dict:
-    """Rank 1's loss function raises (`how="raise"`) or kills its process (`"exit"`) in its third pass; the other
-    ranks must raise within the timeout, with a message, never hang."""
+def ranks_fail(rank: int, world_size: int) -> dict:
+    """`a_rank_fails` for each way a rank can fail, in one pair of processes (the killed rank last)."""
+    out = {}
+    for how in ("raise", "stall", "exit"):
+        dist.barrier()  # after a stall the ranks leave at different times
+        out[how] = a_rank_fails(rank, how)
+        if rank == 1 and how == "raise":  # checked here: rank 1 returns nothing, it is killed later
+            assert "boom on rank 1" in out[how]["error"] and out[how]["closed"], out[how]
+    return out
+
+
+def a_rank_fails(rank: int, how: str) -> dict:
+    """Rank 1's loss function raises (`how="raise"`) or kills its process (`"exit"`) in its third pass, or its
+    training loop stalls past the timeout before that pass (`"stall"`); the other ranks must raise within the
+    timeout, with a message, never hang."""
     model = tied_model(num_blocks=2)
-    timeout = 20.0 if how == "raise" else 4.0
+    timeout = 20.0 if how == "raise" else 3.0
 
     def loss_fn(out, labels, calls=[0]):  # noqa: B006 - counts this rank's calls
         calls[0] += 1
         if rank == 1 and calls[0] == 5:  # pass 3 (two micro-batches a pass)
             if how == "exit":
                 os._exit(3)
-            raise ValueError("boom on rank 1")
+            if how == "raise":
+                raise ValueError("boom on rank 1")
         return nn.functional.cross_entropy(out, labels)
 
     engine, optimizer = make_engine(model, wait_timeout_s=timeout, async_optimizer=True)
     x, mask, y = batch(rows=8)
     started = time.monotonic()
     try:
-        for _ in range(4):
+        for i in range(4):
+            if how == "stall" and rank == 1 and i == 2:
+                time.sleep(2 * timeout)  # outside the engine: only the other ranks' collectives can notice
             engine.forward_backward(x, mask, labels=y, loss_fn=loss_fn)
             optimizer.step()
             optimizer.zero_grad()
@@ -269,9 +284,11 @@ def a_rank_fails(rank: int, world_size: int, how: str) -> dict:
             closed = False
         except EngineClosedError:
             closed = True
+        closing = time.monotonic()
         engine.close()
         return {"error": f"{type(error).__name__}: {error}", "elapsed": elapsed, "closed": closed,
-                "timeout": timeout}
+                "timeout": timeout, "close_s": time.monotonic() - closing}
+    engine.close()
     return {"error": None}
 
 

@@ -43,16 +43,29 @@ def test_a_one_process_engine_refuses_a_shard(two_rank_checkpoint):
     engine.close()
 
 
-def test_a_rank_whose_pass_raises_stops_the_others_at_once():
-    first, second = run_ranks(dp_scenarios.a_rank_fails, 2, "raise", timeout_s=120)
-    assert "boom on rank 1" in second["error"] and second["closed"]
+@pytest.fixture(scope="module")
+def failures():
+    """Rank 1 raises, then stalls, then kills itself, each in the third pass of a fresh pair of engines."""
+    return run_ranks(dp_scenarios.ranks_fail, 2, timeout_s=120)
+
+
+def test_a_rank_whose_pass_raises_stops_the_others_at_once(failures):
+    first = failures[0]["raise"]  # rank 1 checked its own error (its own ValueError) in its process
     assert "rank(s) [1]" in first["error"] and "boom on rank 1" in first["error"], first
     assert first["elapsed"] < first["timeout"] / 2 and first["closed"]  # told by rank 1, not timed out
+    assert first["close_s"] < first["timeout"] / 2  # a collective its peer never joins is abandoned
 
 
-def test_a_killed_rank_makes_the_others_raise_within_the_timeout():
-    first, second = run_ranks(dp_scenarios.a_rank_fails, 2, "exit", timeout_s=120)
+def test_a_stalled_rank_makes_the_others_raise_at_the_timeout(failures):
+    first = failures[0]["stall"]
+    assert "label counts at the start of pass 2" in first["error"] and "peer rank" in first["error"], first
+    assert first["timeout"] - 0.5 < first["elapsed"] < first["timeout"] + 5 and first["closed"]
+
+
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout(failures):
+    first, second = failures
     assert isinstance(second, Exited) and second.code == 3
+    first = first["exit"]
     assert first["error"] is not None and "peer rank" in first["error"], first
     assert first["elapsed"] < first["timeout"] + 5 and first["closed"]
 
