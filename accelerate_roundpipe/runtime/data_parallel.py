@@ -36,11 +36,17 @@ What every rank computes is what ONE process would compute on the whole global b
 - Failures. The groups are made with `wait_timeout_s` as their timeout: a collective waiting on a rank that died
   or stalled raises within it, naming the collective and that a peer may have failed (`DataParallelError`), and
   fails the engine through its `FailureFlag`. A rank whose pass failed (or whose engine failed since) still joins
-  the pass's exchange with a failure flag set: every rank then learns which rank failed and why, at once.
+  the pass's exchange with a failure flag set: every rank then learns which rank failed and why, at once. The
+  optimizer thread's collectives run on a helper thread while it waits in slices, so that once the engine has
+  failed it abandons a collective its failed peer will never join (gloo's asynchronous reduce-scatter cannot be
+  polled: it runs inside `wait()`) and `close()` returns at once instead of after gloo's timeout.
 - Construction. The settings every rank must share (device count, micro-batches, async, dtypes, the buckets'
   sizes and dtypes) are compared with `all_gather_object` and refused with each rank's value; then rank 0's weights
   are broadcast, so every rank starts from the same weights (as DDP does).
-`engine.parameters()`' `.grad` is this rank's share of the gradient (its sum over ranks is the global gradient).
+`engine.parameters()`' `.grad` is this rank's share of the gradient (its sum over ranks is the global gradient),
+never clipped (the clip scales the reduced ranges). `model(...)` followed by a loss's `backward()` (no labels, the
+loss computed by the caller) commits whatever that loss's gradient is, and the step sums it over the ranks: that
+loss must be the rank's share of the global loss (e.g. its local mean times its share of the global count).
 """
 
 from __future__ import annotations

@@ -80,3 +80,16 @@ def test_mismatched_settings_are_refused_at_construction():
 
 def test_a_hugging_face_model_counts_the_labels_of_the_global_batch():
     run_ranks(dp_scenarios.hugging_face_loss_counts_the_global_batch, 2, timeout_s=180)
+
+
+def test_the_data_parallel_setting_without_a_process_group(monkeypatch):
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+    monkeypatch.setenv("ROUNDPIPE_DATA_PARALLEL", "1")
+    assert RoundPipeConfig().data_parallel is True
+    with pytest.raises(ValueError, match="init_process_group"):
+        RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
+    engine = RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False,
+                                                                  data_parallel=False))
+    assert engine.data_parallel is None
+    engine.close()
