@@ -172,6 +172,11 @@ class RoundPipeConfig:
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
             host copy path, as on a GPU).
+        data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
+            `torch.distributed` (one process per machine, each an engine over its local devices; see
+            [Note: data parallel] in `runtime/data_parallel.py`). True requires an initialized process group; False
+            refuses to build an engine in a run of several processes. Default: on when a process group of more than
+            one process is initialized.
     """
 
     devices: list[str] | None = field(default=None, metadata={
@@ -217,6 +222,8 @@ class RoundPipeConfig:
         "help": "HF models: the head as this many vocabulary-shard pipeline layers, or 'auto'. Default: 1."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
+    data_parallel: bool | None = field(default=None, metadata={
+        "help": "Run as one rank of a torch.distributed data-parallel group. Default: on when world size > 1."})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -244,7 +251,7 @@ class RoundPipeConfig:
                 if value < least:
                     raise ValueError(f"{name} (env {env}{name.upper()}) must be >= {least}, got {value}.")
                 setattr(self, name, value)
-        for name in ("async_optimizer", "pin_memory", "summary"):
+        for name in ("async_optimizer", "pin_memory", "summary", "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, str_to_bool(value, env + name.upper()))

@@ -84,7 +84,13 @@ class CausalLMRoundPipe(RoundPipe):
                             "labels=..., ...) and computes its own loss; loss_fn/loss_reduction do not apply.")
         if labels is None:
             raise ValueError("forward_backward needs `labels` in the batch (the model's loss is computed from them).")
-        inputs = self.split.prepare_inputs(labels=labels, **self._model_inputs(batch))
+        batch = self._model_inputs(batch)
+        if self.data_parallel is not None and batch.get("num_items_in_batch") is None:
+            # The loss is the sum over label tokens / the count of the GLOBAL batch ([Note: data parallel]).
+            local = float((labels[:, 1:] != IGNORE_INDEX).sum())
+            batch["num_items_in_batch"] = torch.tensor(int(self._collective(lambda: self.data_parallel.exchange(
+                [local, 0.0, 0.0], "the all-reduce of the label count of the global batch"))[0]))
+        inputs = self.split.prepare_inputs(labels=labels, **batch)
         return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:

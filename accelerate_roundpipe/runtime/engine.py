@@ -25,15 +25,16 @@ from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
 from .adapter_switches import AdapterSwitches
+from .data_parallel import DataParallelGroup, wants_data_parallel
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
 from .host_store import HostStore
 from .jobs import PassState
 from .measured_plan import MeasuredPlan
-from .microbatches import MicrobatchPolicy, loss_shares, split_rows, tensor_tuple
+from .microbatches import MicrobatchPolicy, loss_count_totals, loss_shares, split_rows, tensor_tuple
 from .optimizer import LaggedOptimizer
-from .sync import FailureFlag, Future
+from .sync import EngineClosedError, FailureFlag, Future
 from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
@@ -128,11 +129,21 @@ class RoundPipe(nn.Module):
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         exact_steps = not self.config.resolved_async_optimizer or bool(self.config.async_warmup_steps)
+        # One rank of a data-parallel group over torch.distributed, or None ([Note: data parallel]).
+        self.data_parallel: DataParallelGroup | None = \
+            DataParallelGroup(self.config.resolved_wait_timeout_s) if wants_data_parallel(self.config.data_parallel) \
+            else None
         self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names,
-                                pin_optimizer_copies=exact_steps)
+                                pin_optimizer_copies=exact_steps,
+                                pad_multiple=self.data_parallel.pad_multiple if self.data_parallel else 1)
+        if self.data_parallel is not None:
+            self.data_parallel.check_same("the engine settings", self._settings_every_rank_shares())
+            self.data_parallel.broadcast_weights(self._store)
         self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
+        if self.data_parallel is not None:
+            self.data_parallel.failure = self._failure
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._num_passes = 0
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
@@ -152,6 +163,16 @@ class RoundPipe(nn.Module):
         self.counters = EngineCounters()
         # Lines the integrations add to the start summary (e.g. "clipping"), which the engine cannot know itself.
         self.summary_notes: dict[str, str] = {}
+
+    def _settings_every_rank_shares(self) -> dict[str, Any]:
+        config = self.config
+        return {"number of devices": len(self.devices), "num_microbatches": config.num_microbatches,
+                "microbatches_per_round": config.microbatches_per_round,
+                "async_optimizer": config.resolved_async_optimizer, "async_warmup_steps": config.async_warmup_steps,
+                "param_dtype": str(config.param_dtype), "optimizer_dtype": str(config.optimizer_dtype),
+                "number of layers": len(self.layers),
+                "buckets (layers, trainable, elements, dtype)": [[list(b.layers), b.trainable, b.compute.numel(),
+                                                                  str(b.compute.dtype)] for b in self._store.buckets]}
 
     # ------------------------------------------------------------------ parameters
 
@@ -200,13 +221,18 @@ class RoundPipe(nn.Module):
         if isinstance(optimizer, LaggedOptimizer):
             return optimizer
         self._failure.check()
+        if self.data_parallel is not None:
+            self.data_parallel.check_same("the optimizer", {
+                "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                "parameters per group": [len(g["params"]) for g in optimizer.param_groups]})
         if self.optimizer is not None:
             self.synchronize()
             self.optimizer.close()
         self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
                                                      self.config.resolved_async_optimizer,
                                                      deferred_passes=self._deferred, trace=self.trace,
-                                                     exact_steps_first=self.config.async_warmup_steps or 0)
+                                                     exact_steps_first=self.config.async_warmup_steps or 0,
+                                                     data_parallel=self.data_parallel)
         self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
         return self.optimizer
 
@@ -229,17 +255,30 @@ class RoundPipe(nn.Module):
         commits the pass's gradients scaled by c (`grad_scale` is ignored; `expect_grad_scale` sets the c the
         pipeline assumes, exact either way), and a pass never back-propagated is dropped at the next pass,
         `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit].
+
+        Under data parallelism ([Note: data parallel]) each rank passes its share of the global batch; the weights
+        count the global batch, and the loss returned is the global batch's, the same on every rank.
         """
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
-        self._before_pass()
-        self._follow_adapter_switches(training=True)
-        inputs = tensor_tuple(inputs, "forward_backward inputs")
-        rows, num_mb, mb_inputs = self._microbatches.split(inputs)
+        counted_labels = ignore_index if loss_fn is not None else None
+        try:
+            self._before_pass()
+            self._follow_adapter_switches(training=True)
+            inputs = tensor_tuple(inputs, "forward_backward inputs")
+            rows, num_mb, mb_inputs = self._microbatches.split(inputs)
+            mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
+            mb_rows = [x[0].shape[0] for x in mb_inputs]
+            totals = loss_count_totals(mb_rows, mb_labels, counted_labels)
+        except BaseException as error:
+            if self.data_parallel is not None and not isinstance(error, EngineClosedError):
+                self._fail_with_peers(error, "the start of a training pass")
+            raise
+        if self.data_parallel is not None:
+            totals = self._collective(lambda: self.data_parallel.exchange(
+                totals, f"the exchange of label counts at the start of pass {self._num_passes}"))
         self.counters.count(inputs[0])
-        mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
-        mb_rows = [x[0].shape[0] for x in mb_inputs]
-        shares = loss_shares(mb_rows, mb_labels, loss_reduction, ignore_index if loss_fn is not None else None)
+        shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
@@ -255,16 +294,39 @@ class RoundPipe(nn.Module):
             self._plan.measured(state.profile, jobs, num_mb, rows)
         self._release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
-            losses = [f.get(self._failure).host()[0] for f in state.losses]
+            try:
+                losses = [f.get(self._failure).host()[0] for f in state.losses]
+            except BaseException as error:
+                if self.data_parallel is not None:
+                    self._fail_with_peers(error, f"the end of pass {state.index}")
+                raise
         # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
         weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
-        total = weighted[0]
+        total = weighted[0] if weighted else losses[0].new_zeros(())
         for part in weighted[1:]:
             total = total + part
+        if self.data_parallel is not None:  # the loss of the global batch: every rank's share of it, added
+            global_loss = self._collective(lambda: self.data_parallel.exchange(
+                [float(total), 0.0, 0.0], f"the all-reduce of the loss of pass {state.index}"))[0]
+            total = torch.tensor(global_loss, dtype=torch.float64).to(total.dtype)
         if not deferred:
             return total
         self._deferred.awaiting_backward(state.deferred)
         return DeferredLoss.apply(self, self._deferred, state.deferred, torch.empty(0, requires_grad=True), total)
+
+    def _collective(self, collective: Callable[[], Any]) -> Any:
+        """A collective on the caller's thread: its failure fails the engine too ([Note: data parallel])."""
+        try:
+            return collective()
+        except BaseException as error:
+            self._failure.fail_here(error, "a data-parallel collective on the caller's thread")
+            raise
+
+    def _fail_with_peers(self, error: BaseException, where: str) -> None:
+        """This rank's pass failed while the other ranks wait for it in the pass's exchange: tell them (they raise
+        naming this rank and its error), and close this engine too, since theirs close ([Note: data parallel])."""
+        self.data_parallel.tell_failure(error, where)
+        self._failure.fail_here(error, where)
 
     def drop_pending_gradients(self) -> None:
         """Drop the gradients of a deferred pass whose loss was never back-propagated."""
@@ -368,6 +430,8 @@ class RoundPipe(nn.Module):
                 if self._finalizer is not None:
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
+                if self.data_parallel is not None:
+                    self.data_parallel.close()
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()

@@ -25,12 +25,12 @@ from .grad_buffers import GradBufferPool
 from .pinned import HostMemory
 from .sync import ReadWriteOrder, Sequencer
 
-_ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
+ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
 PROGRESS_MIN_PARAMS = 200_000_000  # models this large show a progress bar while the host store is built
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _align(n: int, multiple: int = ALIGN) -> int:
+    return (n + multiple - 1) // multiple * multiple
 
 
 def optimizer_dtype_for(param_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
@@ -198,8 +198,10 @@ class Binding:
 class HostStore:
     def __init__(self, layers: list[nn.Module], param_dtype: torch.dtype | None,
                  optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str],
-                 pin_optimizer_copies: bool = False) -> None:
+                 pin_optimizer_copies: bool = False, pad_multiple: int = 1) -> None:
         self.layers = layers
+        # Trainable buckets are padded to a multiple of this: equal per-rank ranges ([Note: data parallel]).
+        self.pad_multiple = pad_multiple
         self.pin_memory = pin_memory
         # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]).
         self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
@@ -258,7 +260,7 @@ class HostStore:
         for p in members:
             slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape))
             offset += _align(p.numel())
-        compute = self.memory.zeros(max(offset, 1), dtype)
+        compute = self.memory.zeros(_align(max(offset, 1), self.pad_multiple if trainable else 1), dtype)
         optim = grad = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)

@@ -27,7 +27,25 @@ def split_rows(tensors: tuple[torch.Tensor, ...], num_microbatches: int) -> list
     return [tuple(p[i] for p in parts) for i in range(num_microbatches)]
 
 
-def loss_shares(mb_rows: list[int], mb_labels: list, loss_reduction: str, ignore_index: int | None) -> list[float]:
+def _label_counts(mb_labels: list, ignore_index: int | None) -> list[int] | None:
+    """Per micro-batch, the labels other than `ignore_index`; None unless the labels are integer class labels."""
+    single = [labels[0] if labels is not None and len(labels) == 1 else None for labels in mb_labels]
+    if ignore_index is not None and all(t is not None and not t.is_floating_point() and not t.is_complex()
+                                        and t.dtype != torch.bool for t in single):
+        return [int((t != ignore_index).sum()) for t in single]
+    return None
+
+
+def loss_count_totals(mb_rows: list[int], mb_labels: list, ignore_index: int | None) -> list[float]:
+    """What the weights of [Note: micro-batch loss weights] divide by: [1 if the labels are not counted (not integer
+    class labels) else 0, the labels counted, the rows]. Under data parallelism these are summed over the ranks
+    first, so the weights count the global batch ([Note: data parallel])."""
+    counts = _label_counts(mb_labels, ignore_index)
+    return [0.0 if counts is not None else 1.0, float(sum(counts or [])), float(sum(mb_rows))]
+
+
+def loss_shares(mb_rows: list[int], mb_labels: list, loss_reduction: str, ignore_index: int | None,
+                totals: list[float] | None = None) -> list[float]:
     """[Note: micro-batch loss weights]
     The weight of each micro-batch's loss in the loss of the whole batch. A "mean" loss of the whole batch averages
     over what its loss function counts, and so must the micro-batches' weights: for integer labels (class indices,
@@ -36,17 +54,14 @@ def loss_shares(mb_rows: list[int], mb_labels: list, loss_reduction: str, ignore
     of masked labels (a loss of 1.2156 for 1.2098, gradients off by up to 0.09 on a small case), and a micro-batch
     whose labels are all masked, whose own mean is 0/0 = NaN, would poison the whole batch's loss: it gets weight 0,
     and the worker skips its loss's backward. With every label of the batch masked, the whole batch's loss is NaN
-    too, and rows are used. `loss_reduction="sum"` adds the micro-batch losses (weight 1 each)."""
+    too, and rows are used. `loss_reduction="sum"` adds the micro-batch losses (weight 1 each). `totals`: the
+    `loss_count_totals` of the global batch (summed over data-parallel ranks); default this batch's."""
     if loss_reduction == "sum":
         return [1.0] * len(mb_rows)
-    single = [labels[0] if labels is not None and len(labels) == 1 else None for labels in mb_labels]
-    if ignore_index is not None and all(t is not None and not t.is_floating_point() and not t.is_complex()
-                                        and t.dtype != torch.bool for t in single):
-        counts = [int((t != ignore_index).sum()) for t in single]
-        total = sum(counts)
-        if total > 0:
-            return [c / total for c in counts]
-    rows = sum(mb_rows)
+    counts = _label_counts(mb_labels, ignore_index)
+    uncounted, labels, rows = totals if totals is not None else loss_count_totals(mb_rows, mb_labels, ignore_index)
+    if counts is not None and uncounted == 0 and labels > 0:
+        return [c / labels for c in counts]
     return [r / rows for r in mb_rows]
 
 

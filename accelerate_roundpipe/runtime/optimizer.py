@@ -22,8 +22,10 @@ import torch
 
 from ..telemetry.trace import maybe_span
 from . import faults
+from .data_parallel import DataParallelError, DataParallelGroup
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
+from .shards import BucketShard, ShardedSteps
 from .step_norm import PendingGradNorm, StepNorm
 from .sync import FailureFlag, SerialExecutor, wait_for_any_turn
 
@@ -45,12 +47,14 @@ class LaggedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer built over `engine.parameters()`; see [Note: one-step lag].
 
     `param_groups`, `state`, `state_dict()`, `load_state_dict()` and `zero_grad()` behave as the wrapped optimizer's.
-    Hyper-parameters (e.g. the learning rate an LR scheduler sets) are read when `step()` is called.
+    Hyper-parameters (e.g. the learning rate an LR scheduler sets) are read when `step()` is called. With
+    `data_parallel`, an optimizer of the same class steps this rank's shard, and `state` / `state_dict()` are that
+    shard's ([Note: data parallel]).
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
                  async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None,
-                 exact_steps_first: int = 0) -> None:
+                 exact_steps_first: int = 0, data_parallel: DataParallelGroup | None = None) -> None:
         # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -75,6 +79,12 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._clip: StepNorm | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
         prefer_fused(inner)
+        self.data_parallel = data_parallel
+        # Under data parallelism this rank steps its shard with an optimizer of its own ([Note: data parallel]).
+        self._shards = ShardedSteps(inner, store, data_parallel) if data_parallel is not None else None
+        self._stepper = self._shards.optimizer if self._shards is not None else inner
+        prefer_fused(self._stepper)
+        self.state = self._stepper.state
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
         self._step_order = store.trainable_in_backward_order
 
@@ -127,7 +137,11 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._drop_pending_passes()
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
-        step_norm = StepNorm(len(self._step_order), max_norm)
+        total = None
+        if self.data_parallel is not None:  # the norm of the reduced, global gradient ([Note: data parallel])
+            def total(squares: float) -> float:
+                return self.data_parallel.sum_on_optimizer_thread(squares, "the all-reduce of the gradient norm")
+        step_norm = StepNorm(len(self._step_order), max_norm, total)
         with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
             for bucket in self._step_order:  # top layers first: the order their gradients become final
                 ticket = bucket.grads.reserve()
@@ -140,6 +154,13 @@ class LaggedOptimizer(torch.optim.Optimizer):
         def measure_bucket() -> None:
             bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
             try:
+                shard = self._shard(bucket)
+                if shard is not None:
+                    if bucket.grad_valid:
+                        self._reduce(bucket, shard, ticket)
+                    with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
+                        step_norm.add(shard.squared_norm() if bucket.grad_valid else 0.0)
+                    return
                 with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
                     step_norm.add(bucket.squared_norm())
             finally:
@@ -153,34 +174,56 @@ class LaggedOptimizer(torch.optim.Optimizer):
         try:
             self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
             faults.point("optimizer.step")
-            ids = {id(s.optim) for s in bucket.slots}
-            groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
-            groups = [g for g in groups if g["params"]]
+            shard = self._shard(bucket)
+            if shard is not None and bucket.grad_valid and shard.reduced_at != ticket - 1:
+                self._reduce(bucket, shard, ticket)  # no clip reduced it, or gradients came after the clip's
+            if shard is not None:
+                groups = self._shards.groups_for(bucket, member_groups)
+            else:
+                ids = {id(s.optim) for s in bucket.slots}
+                groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
+                groups = [g for g in groups if g["params"]]
+            stepper = self._stepper
             in_kernel = None  # a clip the fused kernel applies as it reads the gradients
             if clip is not None and bucket.grad_valid:
                 coefficient = clip.clip_coefficient(self.failure)
                 if coefficient < 1.0:  # torch multiplies by the clamped coefficient; by 1 changes nothing
                     if groups and self._clips_in_kernel(bucket, groups):
                         in_kernel = coefficient
+                    elif shard is not None:
+                        shard.grad.mul_(coefficient)
                     else:
                         bucket.scale(coefficient)
             if groups and bucket.grad_valid:
-                original = self.inner.param_groups
-                self.inner.param_groups = groups
+                original = stepper.param_groups
+                stepper.param_groups = groups
                 if in_kernel is not None:
-                    self.inner.grad_scale = torch.tensor(1.0 / in_kernel, dtype=torch.float32)
+                    stepper.grad_scale = torch.tensor(1.0 / in_kernel, dtype=torch.float32)
                 try:
                     with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
-                        self.inner.step()
+                        stepper.step()
                 finally:
-                    self.inner.param_groups = original
+                    stepper.param_groups = original
                     if in_kernel is not None:
-                        del self.inner.grad_scale
-                        bucket.record_scale(in_kernel)
+                        del stepper.grad_scale
+                        if shard is None:
+                            bucket.record_scale(in_kernel)
+            if shard is not None and bucket.grad_valid:
+                with maybe_span(self.trace, "optimizer", f"all-gather layers {list(bucket.layers)}"):
+                    self.data_parallel.all_gather(bucket.optim, f"the stepped weights of {bucket}")
             bucket.optim_version_seen = bucket.optim._version
             bucket.steps.optim += 1  # [Note: torn weights]
         finally:
             bucket.grads.end(ticket)
+
+    def _shard(self, bucket: Bucket) -> BucketShard | None:
+        return self._shards.shards[bucket.index] if self._shards is not None else None
+
+    def _reduce(self, bucket: Bucket, shard: BucketShard, ticket: int) -> None:
+        """This rank's range of the sum over ranks of `bucket`'s gradients, in its gradient turn `ticket`."""
+        with maybe_span(self.trace, "optimizer", f"reduce-scatter layers {list(bucket.layers)}"):
+            self.data_parallel.reduce_scatter(shard.grad, bucket.grad, f"the gradients of {bucket}")
+        shard.reduced_at = ticket
 
     def _write_back(self, bucket: Bucket, ticket: int) -> None:
         """Write the optimizer copy into the compute copy, in write turn `ticket`."""
@@ -228,7 +271,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         A separate scaling pass over the gradients cost 4-5 ms a layer on the host of an exact, clipped step, whose
         whole host step sits between two iterations. The kernel reads the scale in float32, so this serves float32
         gradients only (the scale's rounding is then that of the gradients'); float64 keeps the exact pass."""
-        return (isinstance(self.inner, _FUSED_CPU) and bucket.grad.dtype == torch.float32
+        return (isinstance(self._stepper, _FUSED_CPU) and bucket.grad.dtype == torch.float32
                 and all(g.get("fused") for g in groups))
 
     def write_back_after_failure(self, timeout_s: float = 10.0) -> None:
@@ -266,7 +309,17 @@ class LaggedOptimizer(torch.optim.Optimizer):
         every layer when a clip needs the global norm first) then goes bottom-up, so the next forward starts as
         soon as its first layers are written ([Note: uploads as versions land]) instead of after the whole step.
         Each bucket's step is written where the next upload reads it ([Note: exact step without write-back]).
-        Each bucket's step is independent of the others', so the order changes no result."""
+        Each bucket's step is independent of the others', so the order changes no result. Under data parallelism
+        the order is fixed instead, the same on every rank ([Note: data parallel]): backward order, or bottom-up
+        after a clip (whose jobs reduced every bucket first)."""
+        def step_in_fixed_order() -> None:
+            for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
+                self.failure.check()
+                self._exact_step(bucket, grad_ticket, write_ticket, member_groups, clip)
+
+        if self.data_parallel is not None:
+            return step_in_fixed_order
+
         def step_as_gradients_land() -> None:
             pending = list(entries)
             while pending:
@@ -370,11 +423,28 @@ class LaggedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim.Optimizer API
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; under data parallelism this rank's shard of it, with the world size,
+        the rank and the shard layout ([Note: data parallel])."""
         self.synchronize()
+        if self._shards is not None:
+            return self._shards.state_dict()
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Under data parallelism: this rank's shard as `state_dict()` saved it (same world size), or a
+        one-process state dict, which each rank cuts to its shard."""
         self.synchronize()
+        if self._shards is not None:
+            self._shards.load_state_dict(state_dict)
+            self.state = self._stepper.state
+            prefer_fused(self._stepper)
+            return
+        meta = state_dict.get("data_parallel")
+        if meta is not None:
+            raise DataParallelError(
+                f"this optimizer state is rank {meta['rank']}'s shard of a run with {meta['world_size']} "
+                f"data-parallel processes; this engine runs on one process. Resume with {meta['world_size']} "
+                f"processes, each loading its own rank's file.")
         self.inner.load_state_dict(state_dict)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -384,4 +454,5 @@ class LaggedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("add parameter groups to the optimizer before engine.wrap_optimizer(...).")
 
     def __repr__(self) -> str:
-        return f"LaggedOptimizer(async={self.async_step}, {self.inner!r})"
+        shard = f", {self.data_parallel}" if self.data_parallel is not None else ""
+        return f"LaggedOptimizer(async={self.async_step}{shard}, {self.inner!r})"

@@ -14,6 +14,7 @@ the whole backward is done, so the step goes bottom layers first (the order the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,8 +29,9 @@ class StepNorm:
     """Sums the squared norms of one step's buckets into the global L2 norm. Every `add` runs on the optimizer's one
     thread, in its FIFO order, so the sum needs no lock; `norm` hands the result to other threads."""
 
-    def __init__(self, num_buckets: int, max_norm: float) -> None:
+    def __init__(self, num_buckets: int, max_norm: float, total: Callable[[float], float] | None = None) -> None:
         self.max_norm = float(max_norm)
+        self._total = total  # the sum over data-parallel ranks of their squares ([Note: data parallel])
         self.norm = Future("the gradient norm of this step")
         self._left = num_buckets
         self._squares = 0.0
@@ -40,7 +42,8 @@ class StepNorm:
         self._squares += square
         self._left -= 1
         if self._left == 0:
-            self.norm.set(self._squares ** 0.5)
+            squares = self._total(self._squares) if self._total is not None else self._squares
+            self.norm.set(squares ** 0.5)
 
     def clip_coefficient(self, failure: FailureFlag) -> float:
         """`max_norm / (norm + 1e-6)` clamped to 1, as torch's `clip_grad_norm_` multiplies the gradients by."""

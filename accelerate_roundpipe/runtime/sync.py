@@ -70,6 +70,13 @@ class FailureFlag:
                 self.error = error
                 self.where = where
 
+    def fail_here(self, error: BaseException, where: str) -> None:
+        """The caller's own failure that must close the engine too (e.g. a collective across data-parallel
+        processes): recorded as reported, since the caller raises it itself now."""
+        self.fail(error, where)
+        with self._lock:
+            self._reported = True
+
     def close(self) -> None:
         self.closed = True
 

@@ -74,6 +74,10 @@ def engine_summary(engine) -> str:
         f"  micro-batches: {_microbatches(config, len(engine.devices))}; recompute: {config.resolved_recompute}",
         f"  optimizer: {_optimizer(engine)}",
     ]
+    group = getattr(engine, "data_parallel", None)
+    if group is not None:
+        lines.append(f"  data parallel: rank {group.rank} of {group.world_size} (gradients reduce-scattered, optimizer "
+                     f"state sharded, weights all-gathered per bucket; gloo)")
     lines += [f"  {name}: {value}" for name, value in engine.summary_notes.items()]
     lines += [
         f"  host memory: about {_size(store.estimated_bytes)} for the store ({_dtypes(store)}, with AdamW state), "

@@ -1,0 +1,280 @@
+"""Data parallelism across processes: one RoundPipe engine per process (machine), the processes one group.
+
+[Note: data parallel]
+Each process runs its own engine over its local devices on its share of the global batch; the processes form a
+data-parallel group over `torch.distributed` (`DataParallelGroup`, `engine.data_parallel`, None on one process).
+What every rank computes is what ONE process would compute on the whole global batch:
+- The loss. A "mean" loss weights each micro-batch by its label count over the label count of the GLOBAL batch
+  (one all-reduce of the counts per pass, [Note: micro-batch loss weights]); the weighted micro-batch losses of
+  all ranks are all-reduced, so `forward_backward` returns the global batch's loss, the same value on every rank.
+  The gradient each rank produces is then its share of the global loss's gradient, and the step uses the SUM of
+  the ranks' gradients, never an average: uneven label counts per rank stay exact. The deferred path is exact too:
+  the loss's backward brings the same c on every rank and each rank commits c times its share. A "sum" loss
+  (`loss_reduction="sum"`, the Hugging Face models' `sum / num_items_in_batch`) adds the ranks' sums, so its
+  normaliser must count the global batch (the models all-reduce their own count when none is given).
+- The step. Every trainable bucket's flat buffers are padded to a multiple of `world_size * 16` elements and
+  split into `world_size` equal contiguous ranges; rank r owns range r (`ShardedSteps` in `shards.py`). Once a
+  bucket's gradient for the step is final (the step's, or the clip's, gradient turn), the optimizer thread
+  reduce-scatters it: each rank receives the global gradient of its range. Each rank steps its range only, with an
+  optimizer of the user's class and hyper-parameters over views of its range (exact for element-wise optimizers:
+  `ELEMENTWISE_OPTIMIZERS`; others are refused), so the optimizer state (Adam's moments) and the CPU step time per
+  rank drop by the world size. The updated range is all-gathered into every rank's optimizer copy: the weights are
+  full and identical on every rank. With the exact step the gather runs in the bucket's write turn, so the next
+  iteration's uploads read the gathered version ([Note: exact step without write-back]); with the lagged step it
+  runs in the step job and the held write-back moves it into the compute copy as on one process
+  ([Note: one-step lag]). The staleness is exactly that of one process.
+- Order. gloo matches collectives by issue order per group, so two threads never share a group: the caller's
+  collectives (construction checks, the per-pass exchanges) run on `caller_group`, the optimizer thread's
+  (reduce-scatter, all-gather, the clip's norm) on `optimizer_group`. The optimizer thread runs its jobs in the
+  order the caller queued them (program order, the same on every rank), and within the exact step's job under DP
+  the buckets go in a FIXED order instead of "the lowest final bucket first" ([Note: exact step order], which
+  depends on thread timing): backward order without a clip; with a clip the clip's jobs reduce every bucket first
+  (backward order), then the step goes bottom-up. Whether a bucket must be reduced again at the step (gradients
+  added after the clip measured them) is decided from the gradient tickets, which are program order too.
+- Clipping. The norm is that of the reduced (global) gradient: each rank sums the squares of its reduced ranges,
+  then one scalar all-reduce ([Note: clipping without a drain]); the `PendingGradNorm` is the same on every rank.
+- Failures. The groups are made with `wait_timeout_s` as their timeout: a collective waiting on a rank that died
+  or stalled raises within it, naming the collective and that a peer may have failed (`DataParallelError`), and
+  fails the engine through its `FailureFlag`. A rank whose pass failed (or whose engine failed since) still joins
+  the pass's exchange with a failure flag set: every rank then learns which rank failed and why, at once. The
+  optimizer thread's collectives run on a helper thread while it waits in slices, so that once the engine has
+  failed it abandons a collective its failed peer will never join (gloo's asynchronous reduce-scatter cannot be
+  polled: it runs inside `wait()`) and `close()` returns at once instead of after gloo's timeout.
+- Construction. The settings every rank must share (device count, micro-batches, async, dtypes, the buckets'
+  sizes and dtypes) are compared with `all_gather_object` and refused with each rank's value; then rank 0's weights
+  are broadcast, so every rank starts from the same weights (as DDP does).
+`engine.parameters()`' `.grad` is this rank's share of the gradient (its sum over ranks is the global gradient),
+never clipped (the clip scales the reduced ranges). `model(...)` followed by a loss's `backward()` (no labels, the
+loss computed by the caller) commits whatever that loss's gradient is, and the step sums it over the ranks: that
+loss must be the rank's share of the global loss (e.g. its local mean times its share of the global count).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .host_store import HostStore
+from .sync import POLL_S, FailureFlag, SerialExecutor
+
+
+class DataParallelError(RuntimeError):
+    """A collective across the data-parallel ranks failed, a peer rank failed, or the ranks' settings differ."""
+
+
+def process_group_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def wants_data_parallel(setting: bool | None) -> bool:
+    """Whether an engine built now runs data-parallel (`data_parallel`, env ROUNDPIPE_DATA_PARALLEL)."""
+    import torch.distributed as dist
+
+    ready = process_group_ready()
+    world = dist.get_world_size() if ready else 1
+    if setting is None:
+        return world > 1
+    if setting is False:
+        if world > 1:
+            raise ValueError(f"data_parallel=False (env ROUNDPIPE_DATA_PARALLEL) but this run has {world} processes "
+                             f"in its torch.distributed process group. Set data_parallel=True (or leave it unset) to "
+                             f"train data-parallel, or launch one process.")
+        return False
+    if not ready:
+        raise ValueError("data_parallel=True (env ROUNDPIPE_DATA_PARALLEL) needs an initialized torch.distributed "
+                         "process group: call torch.distributed.init_process_group(...) (e.g. under torchrun) before "
+                         "building the engine, or leave data_parallel unset.")
+    return True
+
+
+def _summary(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} items)"
+
+
+def differences(per_rank: list[dict[str, Any]]) -> list[str]:
+    """One line per setting whose value differs between ranks, with every rank's value."""
+    lines = []
+    for key in per_rank[0]:
+        values = [settings.get(key) for settings in per_rank]
+        if any(v != values[0] for v in values[1:]):
+            if isinstance(values[0], list):
+                first = next((i for i in range(max(len(v) for v in values))
+                              if len({repr(v[i]) if i < len(v) else None for v in values}) > 1), None)
+                shown = [f"rank {r}: {len(v)} entries, entry {first} = "
+                         f"{_summary(v[first]) if first is not None and first < len(v) else 'missing'}"
+                         for r, v in enumerate(values)]
+            else:
+                shown = [f"rank {r}: {_summary(v)}" for r, v in enumerate(values)]
+            lines.append(f"{key}: " + "; ".join(shown))
+    return lines
+
+
+class DataParallelGroup:
+    """This process's place in the data-parallel group, and every collective the engine issues; see
+    [Note: data parallel]."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Two groups: gloo matches collectives by issue order, and the caller and the optimizer thread issue theirs
+        # independently. Host tensors throughout (the host store), hence gloo whatever the default backend is.
+        self.caller_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.optimizer_group = dist.new_group(backend="gloo", timeout=timeout)
+        # The engine's: the optimizer thread abandons its collective when the engine fails (its peers may never
+        # join it), so that close() does not wait for gloo's timeout. Set by the engine.
+        self.failure: FailureFlag | None = None
+        self._runner: SerialExecutor | None = None  # runs the optimizer thread's collectives (`_run_abandonable`)
+
+    def __repr__(self) -> str:
+        return f"DataParallelGroup(rank={self.rank}, world_size={self.world_size})"
+
+    @property
+    def pad_multiple(self) -> int:
+        """Trainable buckets are padded to a multiple of this, so every rank's range is equal and aligned."""
+        from .host_store import ALIGN
+
+        return self.world_size * ALIGN
+
+    def shard_range(self, numel: int) -> tuple[int, int]:
+        """This rank's range of a padded flat buffer of `numel` elements."""
+        chunk = numel // self.world_size
+        return self.rank * chunk, (self.rank + 1) * chunk
+
+    # ------------------------------------------------------------------ errors
+
+    def _run(self, what: str, collective: Callable[[], Any]) -> Any:
+        started = time.monotonic()
+        try:
+            return collective()
+        except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError subclasses
+            raise self._error(what, started, error) from error
+
+    def _error(self, what: str, started: float, error: BaseException) -> DataParallelError:
+        return DataParallelError(
+            f"{what} across the {self.world_size} data-parallel processes failed on rank {self.rank} after "
+            f"{time.monotonic() - started:.1f} s: {type(error).__name__}: {error}. A peer rank has probably "
+            f"failed, been killed or stalled for longer than the timeout ({self.timeout_s:g} s, wait_timeout_s / "
+            f"ROUNDPIPE_WAIT_TIMEOUT_S): look at the other ranks' errors.")
+
+    def _run_abandonable(self, what: str, collective: Callable[[], Any]) -> None:
+        """An optimizer-thread collective, run on a helper thread while the optimizer thread waits in slices, so
+        that a failure of this engine elsewhere abandons the wait (`FailureFlag.check` raises `Aborted` in engine
+        threads) and `close()` need not wait for gloo's timeout: the peers of a failed rank may never join it.
+        (gloo's asynchronous reduce-scatter cannot be polled: its work runs inside `wait()`.)"""
+        started = time.monotonic()
+        done = threading.Event()
+        outcome: list[BaseException | None] = [None]
+
+        def run() -> None:
+            try:
+                collective()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                outcome[0] = error
+            finally:
+                done.set()
+
+        if self._runner is None:
+            self._runner = SerialExecutor(FailureFlag(), "roundpipe-collectives")  # never fails: errors are handed on
+        self._runner.submit(run)
+        while not done.wait(POLL_S):
+            if time.monotonic() - started > self.timeout_s + 10 * POLL_S:  # gloo's own timeout did not fire
+                raise self._error(what, started, TimeoutError(f"no result after {self.timeout_s:g} s"))
+            if self.failure is not None:
+                self.failure.check()
+        if outcome[0] is not None:
+            raise self._error(what, started, outcome[0]) from outcome[0]
+
+    def close(self) -> None:
+        """Stop the helper thread once its collective (if any) ends; the engine is closing."""
+        if self._runner is not None:
+            self._runner.stop()
+
+    # ------------------------------------------------------------------ the caller's collectives
+
+    def check_same(self, what: str, settings: dict[str, Any]) -> None:
+        """Refuse (on every rank) settings that differ between ranks."""
+        per_rank: list[Any] = [None] * self.world_size
+        self._run(f"the comparison of {what}",
+                  lambda: self.dist.all_gather_object(per_rank, settings, group=self.caller_group))
+        lines = differences(per_rank)
+        if lines:
+            raise DataParallelError(
+                f"the data-parallel ranks disagree on {what}; every rank must use the same values:\n  "
+                + "\n  ".join(lines) + "\nMake the configuration (and the model) the same on every process.")
+
+    def broadcast_weights(self, store: HostStore) -> None:
+        """Every rank starts from rank 0's weights (compute and optimizer copies)."""
+        for bucket in store.buckets:
+            for flat in (bucket.compute, bucket.optim):
+                if flat is not None:
+                    self._run(f"the broadcast of {bucket}'s initial weights from rank 0",
+                              lambda flat=flat: self.dist.broadcast(flat, src=self._global(0), group=self.caller_group))
+
+    def _global(self, group_rank: int) -> int:
+        return self.dist.get_global_rank(self.caller_group, group_rank)
+
+    def exchange(self, values: list[float], what: str) -> list[float]:
+        """Sum `values` over the ranks (the caller's per-pass exchange, three values). A rank that failed joins it
+        through `tell_failure` instead: every other rank then raises a `DataParallelError` naming it and its error."""
+        packed = torch.zeros(len(values) + self.world_size, dtype=torch.float64)
+        packed[:len(values)] = torch.tensor(values, dtype=torch.float64)
+        self._run(what, lambda: self.dist.all_reduce(packed, group=self.caller_group))
+        failed = [r for r in range(self.world_size) if packed[len(values) + r] > 0]
+        if not failed:
+            return packed[:len(values)].tolist()
+        messages = self._gather_errors("")
+        raise DataParallelError(
+            f"data-parallel rank(s) {failed} of {self.world_size} failed (this is rank {self.rank}, stopped with "
+            f"them at {what}): " + "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+            + ". The whole group stops: fix the failing rank and resume every rank from the last checkpoint.")
+
+    def tell_failure(self, error: BaseException, where: str, width: int = 3) -> None:
+        """Join the exchange the other ranks wait in with this rank's failure (`error`, raised at `where`) flagged;
+        quietly gives up when that collective fails too (a peer is gone already)."""
+        packed = torch.zeros(width + self.world_size, dtype=torch.float64)
+        packed[width + self.rank] = 1.0
+        try:
+            self._run(f"the report of rank {self.rank}'s failure", lambda: self.dist.all_reduce(
+                packed, group=self.caller_group))
+            self._gather_errors(f"{type(error).__name__}: {error} (at {where})")
+        except DataParallelError:
+            pass
+
+    def _gather_errors(self, text: str) -> list[str]:
+        messages: list[Any] = [None] * self.world_size
+        self._run("the exchange of the failed ranks' errors",
+                  lambda: self.dist.all_gather_object(messages, text, group=self.caller_group))
+        return messages
+
+    # ------------------------------------------------------------------ the optimizer thread's collectives
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, what: str) -> None:
+        """`out` = this rank's range of the sum over ranks of `flat`."""
+        collective = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+        self._run_abandonable(f"the reduce-scatter of {what}",
+                              lambda: collective(out, flat, group=self.optimizer_group))
+
+    def all_gather(self, flat: torch.Tensor, what: str) -> None:
+        """Fill `flat` with every rank's range (this rank's own range is read in place)."""
+        lo, hi = self.shard_range(flat.numel())
+        collective = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        self._run_abandonable(f"the all-gather of {what}",
+                              lambda: collective(flat, flat[lo:hi], group=self.optimizer_group))
+
+    def sum_on_optimizer_thread(self, value: float, what: str) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64)
+        self._run_abandonable(what, lambda: self.dist.all_reduce(tensor, group=self.optimizer_group))
+        return float(tensor[0])

@@ -1,0 +1,154 @@
+"""This rank's share of the optimizer step under data parallelism: its range of every trainable bucket, an
+optimizer of the user's class over views of those ranges, and that shard's state dict ([Note: data parallel])."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .data_parallel import DataParallelError, DataParallelGroup
+from .host_store import Bucket, HostStore
+
+# Optimizers whose update of an element reads only that element's parameter, gradient and state (and scalars):
+# stepping any split of the elements separately is exactly the step of the whole.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
+
+
+@dataclass(eq=False)
+class BucketShard:
+    """Rank's range `[lo, hi)` of one trainable bucket."""
+
+    bucket: Bucket
+    lo: int
+    hi: int
+    grad: torch.Tensor  # this rank's range of the reduced (global) gradient, the `.grad` of every piece
+    pieces: list[list[nn.Parameter]]  # per param group of the user's optimizer: views of `bucket.optim`
+    reduced_at: int | None = None  # the gradient turn in which `grad` was last reduced
+
+    def squared_norm(self) -> float:
+        return float(torch.linalg.vector_norm(self.grad)) ** 2  # the padding's gradient is zero
+
+
+@dataclass(eq=False)
+class _Piece:
+    param: nn.Parameter
+    bucket_index: int
+    slot_name: str
+    start: int  # the piece's range inside its parameter (flattened)
+    end: int
+
+
+@dataclass(eq=False)
+class ShardedSteps:
+    """Builds and holds the shard optimizer; see [Note: data parallel]."""
+
+    user: torch.optim.Optimizer
+    store: HostStore
+    group: DataParallelGroup
+    shards: dict[int, BucketShard] = field(default_factory=dict)  # bucket index -> its shard
+
+    def __post_init__(self) -> None:
+        if type(self.user) not in ELEMENTWISE_OPTIMIZERS:
+            names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            raise DataParallelError(
+                f"{type(self.user).__module__}.{type(self.user).__qualname__} cannot be stepped in shards: RoundPipe's "
+                f"data parallelism steps each rank's range of the weights separately, which is exact only for "
+                f"element-wise optimizers ({names}). Use one of those, or train on one process.")
+        group_of = {id(p): i for i, g in enumerate(self.user.param_groups) for p in g["params"]}
+        self._pieces_of_param: dict[int, list[_Piece]] = {}
+        by_group: list[list[_Piece]] = [[] for _ in self.user.param_groups]
+        for bucket in self.store.trainable_buckets:
+            lo, hi = self.group.shard_range(bucket.optim.numel())
+            grad = torch.zeros(hi - lo, dtype=bucket.optim.dtype)
+            pieces: list[list[nn.Parameter]] = [[] for _ in self.user.param_groups]
+            for slot in bucket.slots:
+                index = group_of.get(id(slot.optim))
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if index is None or start >= end:
+                    continue
+                param = nn.Parameter(bucket.optim[start:end])
+                param.grad = grad[start - lo:end - lo]
+                pieces[index].append(param)
+                piece = _Piece(param, bucket.index, slot.name, start - slot.offset, end - slot.offset)
+                by_group[index].append(piece)
+                self._pieces_of_param.setdefault(id(slot.optim), []).append(piece)
+            self.shards[bucket.index] = BucketShard(bucket, lo, hi, grad, pieces)
+        self._pieces = [piece for pieces in by_group for piece in pieces]  # the shard optimizer's parameter order
+        groups = [dict(self._hyper(g), params=[p.param for p in pieces])
+                  for g, pieces in zip(self.user.param_groups, by_group)]
+        accepted = inspect.signature(type(self.user).__init__).parameters
+        self.optimizer = type(self.user)(groups, **{k: v for k, v in self.user.defaults.items() if k in accepted})
+
+    @staticmethod
+    def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    def groups_for(self, bucket: Bucket, member_groups) -> list[dict[str, Any]]:
+        """The shard optimizer's groups for `bucket`'s range, with the hyper-parameters `step()` snapshotted."""
+        pieces = self.shards[bucket.index].pieces
+        return [dict(snap, params=params) for (_, snap), params in zip(member_groups, pieces) if params]
+
+    @property
+    def layout(self) -> list[list]:
+        """What this rank's shard holds, for a checkpoint: per shard parameter, its bucket, name and range."""
+        return [[p.bucket_index, p.slot_name, p.start, p.end] for p in self._pieces]
+
+    def state_dict(self) -> dict[str, Any]:
+        for mine, theirs in zip(self.optimizer.param_groups, self.user.param_groups):
+            mine.update(self._hyper(theirs))  # an LR scheduler wrote the user's groups
+        return {"data_parallel": {"world_size": self.group.world_size, "rank": self.group.rank,
+                                  "layout": self.layout},
+                "shard": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        meta = state.get("data_parallel")
+        if meta is None:
+            state = self._shard_of_full(state)
+        elif meta["world_size"] != self.group.world_size or meta["rank"] != self.group.rank:
+            raise DataParallelError(
+                f"this optimizer state is rank {meta['rank']}'s shard of a run with {meta['world_size']} data-parallel "
+                f"processes; this is rank {self.group.rank} of {self.group.world_size}. A sharded optimizer state "
+                f"resumes only with the same number of processes, each loading its own rank's file (the weights "
+                f"load at any world size). Resume with {meta['world_size']} processes.")
+        elif [list(entry) for entry in meta["layout"]] != self.layout:
+            raise DataParallelError(
+                "this optimizer state's shard layout differs from this engine's (another model, another parameter "
+                "grouping, or another version of RoundPipe saved it): resume with the model and optimizer groups "
+                "that saved it.")
+        else:
+            state = state["shard"]
+        self.optimizer.load_state_dict(state)
+        for theirs, mine in zip(self.user.param_groups, self.optimizer.param_groups):
+            theirs.update(self._hyper(mine))
+
+    def _shard_of_full(self, full: dict[str, Any]) -> dict[str, Any]:
+        """A one-process state dict (the user's optimizer's format) cut to this rank's ranges."""
+        params = [p for g in self.user.param_groups for p in g["params"]]
+        if len(full["param_groups"]) != len(self.user.param_groups) or \
+                sum(len(g["params"]) for g in full["param_groups"]) != len(params):
+            raise ValueError("the optimizer state has other parameter groups than this optimizer; load the state of "
+                             "an optimizer built over the same parameters and groups.")
+        index_of_piece = {id(p.param): i for i, p in enumerate(self._pieces)}
+        saved_ids = [i for g in full["param_groups"] for i in g["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for saved_id, param in zip(saved_ids, params):
+            values = full["state"].get(saved_id)
+            if values is None:
+                continue
+            for piece in self._pieces_of_param.get(id(param), []):
+                state[index_of_piece[id(piece.param)]] = {
+                    k: (v.reshape(-1)[piece.start:piece.end].clone()
+                        if torch.is_tensor(v) and v.dim() > 0 and v.numel() == param.numel() else
+                        (v.clone() if torch.is_tensor(v) else v))
+                    for k, v in values.items()}
+        groups, first = [], 0
+        for saved, mine in zip(full["param_groups"], self.optimizer.param_groups):
+            groups.append(dict(self._hyper(saved), params=list(range(first, first + len(mine["params"])))))
+            first += len(mine["params"])
+        return {"state": state, "param_groups": groups}

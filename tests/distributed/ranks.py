@@ -1,0 +1,79 @@
+"""Run a function on several processes joined in a gloo process group (as torchrun would start them), and collect
+what each returns. A rank that hangs fails the test after `timeout_s` instead of hanging it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(target: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      ROUNDPIPE_SUMMARY="0")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # each CPU worker is a thread; the ranks share two cores
+    dist.init_process_group("gloo")
+    try:
+        results.put((rank, "ok", target(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class Exited:
+    """What a rank that ended without reporting (e.g. `os._exit`) left: its exit code."""
+
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"Exited({self.code})"
+
+
+def run_ranks(target: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """`target(rank, world_size, *args)` on `world_size` spawned processes; returns what each returned (or `Exited`)
+    in rank order. A rank's exception fails the test with its traceback."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main, args=(target, rank, world_size, port, results, args), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    got: dict[int, tuple[str, Any]] = {}
+    while len(got) < world_size and time.monotonic() < deadline:
+        try:
+            rank, kind, value = results.get(timeout=0.2)
+            got[rank] = (kind, value)
+        except queue.Empty:
+            if all(not p.is_alive() for p in processes):
+                try:  # a result put just before its process ended
+                    while True:
+                        rank, kind, value = results.get(timeout=0.5)
+                        got[rank] = (kind, value)
+                except queue.Empty:
+                    break
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()) if len(got) == world_size else 1.0)
+    hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert not hung, f"rank(s) {hung} did not finish within {timeout_s:g} s (a hang); results so far: {got}"
+    errors = [f"rank {rank}:\n{value}" for rank, (kind, value) in sorted(got.items()) if kind == "error"]
+    assert not errors, "\n".join(errors)
+    return [got[rank][1] if rank in got else Exited(processes[rank].exitcode) for rank in range(world_size)]

@@ -1,0 +1,95 @@
+"""[Note: data parallel]: N processes (gloo, CPU workers, float64) train exactly as ONE process on the whole
+global batch; checkpoints resume; failures and mismatched settings are refused, never hang."""
+
+from __future__ import annotations
+
+import dp_scenarios
+import pytest
+import torch
+from ranks import Exited, run_ranks
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    """The 2-process training run (sync and async, accumulation, clip, uneven masks, checkpoints, deferred); its
+    step-3 optimizer shards are saved for the other tests."""
+    path = str(tmp_path_factory.mktemp("dp") / "optimizer-rank{rank}.pt")
+    reports = run_ranks(dp_scenarios.training_equals_one_process, 2, path, timeout_s=240)
+    return path, reports
+
+
+def test_two_processes_train_as_one_on_the_global_batch(two_rank_checkpoint):
+    _, reports = two_rank_checkpoint
+    for key in reports[0]:  # the ranks' optimizer states cover every element once, each at most its padded range
+        owned = [report[key][0] for report in reports]
+        total, per_rank = reports[0][key][1:]
+        assert sum(owned) == total and max(owned) <= per_rank, (key, owned, total, per_rank)
+
+
+def test_four_processes_and_a_shard_of_another_world_size(two_rank_checkpoint):
+    path, _ = two_rank_checkpoint
+    run_ranks(dp_scenarios.small_run_and_foreign_shard, 4, path, timeout_s=180)
+
+
+def test_a_one_process_engine_refuses_a_shard(two_rank_checkpoint):
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+    from accelerate_roundpipe.runtime.data_parallel import DataParallelError
+
+    path, _ = two_rank_checkpoint
+    engine = RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters()))
+    with pytest.raises(DataParallelError, match="2 data-parallel processes"):
+        optimizer.load_state_dict(torch.load(path.format(rank=0)))
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def failures():
+    """Rank 1 raises, then stalls, then kills itself, each in the third pass of a fresh pair of engines."""
+    return run_ranks(dp_scenarios.ranks_fail, 2, timeout_s=120)
+
+
+def test_a_rank_whose_pass_raises_stops_the_others_at_once(failures):
+    first = failures[0]["raise"]  # rank 1 checked its own error (its own ValueError) in its process
+    assert "rank(s) [1]" in first["error"] and "boom on rank 1" in first["error"], first
+    assert first["elapsed"] < first["timeout"] / 2 and first["closed"]  # told by rank 1, not timed out
+    assert first["close_s"] < first["timeout"] / 2  # a collective its peer never joins is abandoned
+
+
+def test_a_stalled_rank_makes_the_others_raise_at_the_timeout(failures):
+    first = failures[0]["stall"]
+    assert "label counts at the start of pass 2" in first["error"] and "peer rank" in first["error"], first
+    assert first["timeout"] - 0.5 < first["elapsed"] < first["timeout"] + 5 and first["closed"]
+
+
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout(failures):
+    first, second = failures
+    assert isinstance(second, Exited) and second.code == 3
+    first = first["exit"]
+    assert first["error"] is not None and "peer rank" in first["error"], first
+    assert first["elapsed"] < first["timeout"] + 5 and first["closed"]
+
+
+def test_mismatched_settings_are_refused_at_construction():
+    for report in run_ranks(dp_scenarios.mismatched_settings, 2, timeout_s=120):
+        assert "num_microbatches: rank 0: 2; rank 1: 3" in report["engine"], report
+        assert "number of devices: rank 0: 1; rank 1: 2" in report["engine"], report
+        assert "torch.optim.adamw.AdamW" in report["optimizer"] and "torch.optim.sgd.SGD" in report["optimizer"]
+        assert "LBFGS" in report["lbfgs"] and "element-wise" in report["lbfgs"]
+
+
+def test_a_hugging_face_model_counts_the_labels_of_the_global_batch():
+    run_ranks(dp_scenarios.hugging_face_loss_counts_the_global_batch, 2, timeout_s=180)
+
+
+def test_the_data_parallel_setting_without_a_process_group(monkeypatch):
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+    monkeypatch.setenv("ROUNDPIPE_DATA_PARALLEL", "1")
+    assert RoundPipeConfig().data_parallel is True
+    with pytest.raises(ValueError, match="init_process_group"):
+        RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
+    engine = RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False,
+                                                                  data_parallel=False))
+    assert engine.data_parallel is None
+    engine.close()
