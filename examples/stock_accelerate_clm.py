@@ -98,8 +98,10 @@ def main():
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     if args.max_train_steps is None:
         args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
+    # As run_clm_no_trainer.py: a prepared scheduler steps once per process at every optimizer step.
     lr_scheduler = get_scheduler(name=args.lr_scheduler_type, optimizer=optimizer,
-                                 num_warmup_steps=args.num_warmup_steps, num_training_steps=args.max_train_steps)
+                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=args.max_train_steps * accelerator.num_processes)
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
