@@ -157,7 +157,11 @@ def identical_on_every_rank(tensors: dict[str, torch.Tensor]) -> bool:
 
 def training_equals_one_process(rank: int, world_size: int, checkpoint_path: str) -> dict:
     """Sync and async, with accumulation, clipping and uneven label masks; the deferred path; a checkpoint at step
-    3 resumed into fresh engines (from this rank's shard, and from a one-process optimizer state)."""
+    3 resumed into fresh engines (from this rank's shard, and from a one-process optimizer state). The
+    collectives go in chunks over several gloo groups, as a large model's do ([Note: data parallel])."""
+    from accelerate_roundpipe.runtime import data_parallel
+
+    data_parallel.MIN_STREAM_ELEMENTS = 8  # this tiny model's buckets then go in several chunks each
     rows, num_steps = 11, 5
     model = tied_model()
     batches = global_batches(num_steps, rows)

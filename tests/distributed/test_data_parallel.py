@@ -93,3 +93,16 @@ def test_the_data_parallel_setting_without_a_process_group(monkeypatch):
                                                                   data_parallel=False))
     assert engine.data_parallel is None
     engine.close()
+
+
+def test_large_collectives_are_cut_into_equal_chunks_covering_each_range():
+    from accelerate_roundpipe.runtime.data_parallel import COLLECTIVE_STREAMS, chunk_bounds
+
+    assert chunk_bounds(100, min_elements=1000) == [(0, 100)]  # small: one collective
+    for per_rank in (8 * 2**20, 8 * 2**20 + 48, 3 * 2**20):
+        bounds = chunk_bounds(per_rank, min_elements=2**20)
+        assert len(bounds) == min(COLLECTIVE_STREAMS, per_rank // 2**20)
+        assert bounds[0][0] == 0 and bounds[-1][1] == per_rank
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no gap, no overlap
+        sizes = [stop - start for start, stop in bounds]
+        assert max(sizes) - min(sizes) <= 1
