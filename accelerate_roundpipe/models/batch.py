@@ -19,12 +19,14 @@ def build_batch(
     router_probs_dtype: torch.dtype,
     router_statistics: bool = False,
     token_fields: bool = False,
+    batch_tokens: int | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The whole batch as a tuple of tensors with rows on dim 0, ready to be split into micro-batches.
 
     Everything that depends on the whole batch is computed here, before the split, and stored once per row:
     `num_items_in_batch` (HF's, else the labels != -100 after the shift) and, for router aux losses, the batch's
-    non-padding token count. `router_experts` is the expert count when router statistics must be carried: always
+    non-padding token count (`batch_tokens` when given: under data parallelism, the global batch's). `router_experts`
+    is the expert count when router statistics must be carried: always
     with labels, and without labels when `router_statistics` is true (the head then returns them with the logits).
     `token_fields=True` carries the labels alone: the head then returns their per-token log-probabilities
     ([Note: per-token fields] in `token_fields.py`).
@@ -71,7 +73,9 @@ def build_batch(
         return batch
 
     if router_experts is not None:
-        batch_tokens = attention_mask.sum() if attention_mask.shape[1] else torch.tensor(num_rows * seq_len)
+        if batch_tokens is None:
+            batch_tokens = attention_mask.sum() if attention_mask.shape[1] else torch.tensor(num_rows * seq_len)
+        batch_tokens = torch.as_tensor(batch_tokens)
         batch += (
             torch.zeros(num_rows, router_experts + 1, dtype=torch.int64, device=device),
             torch.zeros(num_rows, router_experts, dtype=router_probs_dtype, device=device),

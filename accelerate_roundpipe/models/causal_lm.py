@@ -85,13 +85,33 @@ class CausalLMRoundPipe(RoundPipe):
         if labels is None:
             raise ValueError("forward_backward needs `labels` in the batch (the model's loss is computed from them).")
         batch = self._model_inputs(batch)
-        if self.data_parallel is not None and batch.get("num_items_in_batch") is None:
-            # The loss is the sum over label tokens / the count of the GLOBAL batch ([Note: data parallel]).
-            local = float((labels[:, 1:] != IGNORE_INDEX).sum())
-            batch["num_items_in_batch"] = torch.tensor(int(self._collective(lambda: self.data_parallel.exchange(
-                [local, 0.0, 0.0], "the all-reduce of the label count of the global batch"))[0]))
-        inputs = self.split.prepare_inputs(labels=labels, **batch)
+        batch_tokens = None
+        if self.data_parallel is not None:
+            batch_tokens = self._global_counts(batch, labels)
+        inputs = self.split.prepare_inputs(labels=labels, batch_tokens=batch_tokens, **batch)
         return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
+
+    def _global_counts(self, batch: dict[str, Any], labels: torch.Tensor) -> int | None:
+        """Under data parallelism ([Note: data parallel]) what a loss is normalised by counts the GLOBAL batch: the
+        label tokens (HF's `num_items_in_batch`, unless the caller gave it: then it is the global count already)
+        and, for a router aux loss, the non-padding tokens ([Note: router statistics]; else each rank's aux would
+        count in full and the sum over ranks be world_size times HF's). One all-reduce; returns the token count
+        when the model has a router aux loss."""
+        has_router_aux = self.split.router_experts is not None
+        if batch.get("num_items_in_batch") is not None and not has_router_aux:
+            return None  # nothing to count: the caller's count is the global one
+        local_items = float((labels[:, 1:] != IGNORE_INDEX).sum())
+        local_tokens = 0.0
+        if has_router_aux:
+            tokens = batch.get("input_ids", batch.get("inputs_embeds"))
+            mask = batch.get("attention_mask")
+            local_tokens = float(mask.sum()) if mask is not None and mask.shape[1] else \
+                float(tokens.shape[0] * tokens.shape[1])
+        items, tokens, _ = self._collective(lambda: self.data_parallel.exchange(
+            [local_items, local_tokens, 0.0], "the all-reduce of the label and token counts of the global batch"))
+        if batch.get("num_items_in_batch") is None:
+            batch["num_items_in_batch"] = torch.tensor(int(items))
+        return int(tokens) if has_router_aux else None
 
     def _model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         known = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "num_items_in_batch")

@@ -55,6 +55,7 @@ class DecoderSplit:
         num_items_in_batch: int | torch.Tensor | None = None,
         router_statistics: bool = False,
         token_fields: bool = False,
+        batch_tokens: int | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """The whole batch as the tuple layer 0 takes; every tensor has the batch rows on dim 0 and may be split.
 
@@ -74,6 +75,7 @@ class DecoderSplit:
             router_probs_dtype=torch.promote_types(self._parameter_dtype(), torch.float32),
             router_statistics=router_statistics,
             token_fields=token_fields,
+            batch_tokens=batch_tokens,
         )
 
     def parameter_names(self) -> dict[str, str]:

@@ -347,3 +347,45 @@ def hugging_face_loss_counts_the_global_batch(rank: int, world_size: int) -> Non
     assert_close(out.loss.detach(), expected_loss.detach(), RTOL, "loss of model(**batch)")
     assert_same_gradients(summed_grads(engine), {n: 2 * g for n, g in expected.items()})
     engine.close()
+
+
+def moe_model_and_batch():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from split_helpers import build_model, make_batch
+
+    return build_model("mixtral"), make_batch("mixed")  # 3 rows: rank 0 takes 2, rank 1 one
+
+
+def moe_one_process_reference(path: str, world_size: int) -> None:
+    """One process (no process group) running the whole batch as the ranks' micro-batches; saved to `path`."""
+    from accelerate_roundpipe import wrap_model
+
+    model, batch = moe_model_and_batch()
+    one = wrap_model(model, RoundPipeConfig(devices=["cpu"], num_microbatches=world_size, summary=False))
+    loss = one.forward_backward(**batch)
+    one.synchronize()
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in one.named_parameters()
+                                                if p.grad is not None}}, path)
+    one.close()
+
+
+def mixture_of_experts_counts_the_global_tokens(rank: int, world_size: int, reference_path: str) -> None:
+    """A tiny Mixtral with its router aux loss: each rank's micro-batch weighs its aux loss by its tokens over the
+    GLOBAL batch's ([Note: router statistics]), so loss and summed gradients equal one process running the whole
+    batch as the same micro-batches (rank r's rows are its micro-batch r). Counted per rank, the aux term would
+    count world_size times."""
+    from accelerate_roundpipe import wrap_model
+
+    from split_helpers import assert_same_gradients
+
+    model, batch = moe_model_and_batch()
+    expected = torch.load(reference_path)
+    mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu"], num_microbatches=1, wait_timeout_s=60))
+    loss = engine.forward_backward(**mine)
+    assert_close(loss, expected["loss"], RTOL, "MoE loss with the router aux loss")
+    assert_same_gradients(summed_grads(engine), expected["grads"])
+    engine.close()

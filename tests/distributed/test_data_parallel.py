@@ -106,3 +106,9 @@ def test_large_collectives_are_cut_into_equal_chunks_covering_each_range():
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no gap, no overlap
         sizes = [stop - start for start, stop in bounds]
         assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_mixture_of_experts_aux_loss_counts_the_global_tokens(tmp_path):
+    reference = str(tmp_path / "moe_reference.pt")
+    dp_scenarios.moe_one_process_reference(reference, 2)
+    run_ranks(dp_scenarios.mixture_of_experts_counts_the_global_tokens, 2, reference, timeout_s=180)
