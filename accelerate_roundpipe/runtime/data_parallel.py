@@ -269,11 +269,17 @@ class DataParallelGroup:
         if outcome[0] is not None:
             raise self._error(what, started, outcome[0]) from outcome[0]
 
-    def close(self) -> None:
-        """Stop the helper thread once its collective (if any) ends; the engine is closing."""
+    def close(self, clean: bool = True) -> None:
+        """Stop the helper threads once their collective (if any) ends; the engine is closing. After a `clean`
+        close (every collective of this engine done on every rank: it synchronized first) the engine's process
+        groups are destroyed, so a process that builds engine after engine does not pile up gloo groups and their
+        connections; after a failure they are left to the process (a collective may still be stuck in one)."""
         if self._runner is not None:
             self._runner.stop()
         self._streams.stop()
+        if clean:
+            for group in dict.fromkeys([self.caller_group, *self.stream_groups]):
+                self.dist.destroy_process_group(group)
 
     # ------------------------------------------------------------------ the caller's collectives
 

@@ -431,7 +431,7 @@ class RoundPipe(nn.Module):
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
                 if self.data_parallel is not None:
-                    self.data_parallel.close()
+                    self.data_parallel.close(clean=self._failure.error is None)
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()

@@ -162,6 +162,7 @@ def training_equals_one_process(rank: int, world_size: int, checkpoint_path: str
     from accelerate_roundpipe.runtime import data_parallel
 
     data_parallel.MIN_STREAM_ELEMENTS = 8  # this tiny model's buckets then go in several chunks each
+    groups_before = len(dist.distributed_c10d._world.pg_map)
     rows, num_steps = 11, 5
     model = tied_model()
     batches = global_batches(num_steps, rows)
@@ -219,6 +220,8 @@ def training_equals_one_process(rank: int, world_size: int, checkpoint_path: str
     losses, norms = train(engine, optimizer, batches, rows, rank, world_size, clip=False, deferred=True)
     check_run(losses, norms, module_weights(engine), ref, "deferred")
     engine.close()
+    # Seven engines were built and closed: their process groups were destroyed with them.
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before, "process groups left behind by closed engines"
     return report
 
 
