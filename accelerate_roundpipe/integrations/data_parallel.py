@@ -128,6 +128,14 @@ def check_engine_data_parallel(engine: object, num_processes: int) -> None:
     """A multi-process run needs engines that reduce over all processes ([Note: one process per machine])."""
     world = engine_world(engine)
     if num_processes <= 1:
+        if world is not None:
+            # torch.distributed has several processes but accelerate (or the Trainer) set itself up for one: each
+            # rank would read the whole data set, not its share, and every rank would log and save as the main one.
+            raise ValueError(
+                f"the RoundPipe engine is data-parallel over {world[1]} processes, but accelerate sees one process "
+                f"(distributed_type NO). On CPU-only machines accelerate and the Trainer only go distributed when "
+                f"told to use the CPU: pass `--use_cpu true` (TrainingArguments(use_cpu=True)) or set "
+                f"ACCELERATE_USE_CPU=true; with GPUs, launch with `accelerate launch --multi_gpu` or torchrun.")
         return
     if world is None:
         raise ValueError(f"this run has {num_processes} processes, but the RoundPipe engine is not data-parallel "

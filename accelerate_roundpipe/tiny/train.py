@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -69,19 +70,24 @@ def _train(args) -> dict[str, float | str]:
     if devices is not None and all(d.strip() == "cpu" for d in devices.split(",")):
         # Each CPU worker is a thread of its own; intra-op threads on top of them only fight for the same cores.
         torch.set_num_threads(1)
+    # Under torchrun / accelerate launch (one process per machine) every rank trains; rank 0 speaks and saves.
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    say = print if main_process else (lambda *args, **kwargs: None)
     set_seed(0)
     tokenizer = build_tokenizer()
     train_dataset, eval_dataset = lm_datasets(tokenizer, args.block_size)
     model = LlamaForCausalLM(tiny_llama_config(len(tokenizer), args.hidden_size, args.num_hidden_layers))
-    print(f"model: Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+    say(f"model: Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
           f"{args.num_hidden_layers} layers; data: {len(train_dataset)} blocks of {args.block_size} tokens")
 
+    made_output_dir = args.output_dir is None
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="roundpipe_train_tiny_")
     training_args = RoundPipeTrainingArguments(
         output_dir=output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size, learning_rate=args.learning_rate, warmup_steps=30,
         lr_scheduler_type="cosine", weight_decay=0.01, max_grad_norm=1.0, logging_steps=10, save_strategy="no",
         report_to=[], disable_tqdm=True, seed=0, dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # under torchrun on a CPU-only machine: one rank per process
         roundpipe_devices=devices,
         roundpipe_num_microbatches=args.num_microbatches)
     printer = _loss_printer()
@@ -92,19 +98,21 @@ def _train(args) -> dict[str, float | str]:
     trainer.train()
     elapsed = time.perf_counter() - start
     engine = trainer.roundpipe_engine
-    print(f"RoundPipe: devices {[str(d.device) for d in engine.devices]}, plan {engine.partition}")
+    say(f"RoundPipe: devices {[str(d.device) for d in engine.devices]}, plan {engine.partition}")
     eval_loss = trainer.evaluate()["eval_loss"]
     first, last = printer.losses[0], printer.losses[-1]
-    print(f"trained {args.max_steps} steps in {elapsed:.1f} s: loss {first:.3f} -> {last:.3f}; held-out loss "
+    say(f"trained {args.max_steps} steps in {elapsed:.1f} s: loss {first:.3f} -> {last:.3f}; held-out loss "
           f"{eval_loss:.3f} (perplexity {math.exp(eval_loss):.1f}, vocabulary {len(tokenizer)})")
     trainer.save_model(output_dir)  # the newest weights (the lagged step is flushed first), config and tokenizer
-    print(f"model saved to {output_dir} (LlamaForCausalLM.from_pretrained({output_dir!r}) loads it)")
+    say(f"model saved to {output_dir} (LlamaForCausalLM.from_pretrained({output_dir!r}) loads it)")
     model.eval()
     prompt = tokenizer("The river", return_tensors="pt")
     with torch.no_grad():
         sample = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    print(f"sample: {tokenizer.decode(sample[0], skip_special_tokens=True)!r}")
+    say(f"sample: {tokenizer.decode(sample[0], skip_special_tokens=True)!r}")
     engine.close()
+    if made_output_dir and not main_process:
+        shutil.rmtree(output_dir, ignore_errors=True)  # only rank 0 saved; leave nothing else behind
     if not last < first:
         raise SystemExit("training did not reduce the loss")
     return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "output_dir": output_dir}
@@ -121,6 +129,8 @@ def _loss_printer():
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))
+                if int(os.environ.get("RANK", "0")) != 0:  # one line per step under torchrun: rank 0's
+                    return
                 grad_norm = logs.get("grad_norm")
                 norm = f"  grad norm {grad_norm:.3f}" if grad_norm is not None else ""
                 print(f"step {state.global_step:4d}  loss {logs['loss']:.4f}{norm}  lr {logs['learning_rate']:.2e}")

@@ -55,6 +55,10 @@ def test_multi_process_run_needs_a_data_parallel_engine():
     dp.check_engine_data_parallel(SimpleNamespace(data_parallel=SimpleNamespace(rank=1, world_size=2)), 2)
     with pytest.raises(ValueError, match="group has 2 ranks but this run has 4"):
         dp.check_engine_data_parallel(SimpleNamespace(data_parallel=SimpleNamespace(rank=0, world_size=2)), 4)
+    # A data-parallel engine under an accelerate that set itself up for one process (a CPU-only torchrun without
+    # use_cpu): every rank would read the whole data set and save as the main process.
+    with pytest.raises(ValueError, match="accelerate sees one process.*use_cpu true"):
+        dp.check_engine_data_parallel(SimpleNamespace(data_parallel=SimpleNamespace(rank=0, world_size=2)), 1)
 
 
 def test_loss_kind_tells_the_engines_nodes_apart():
