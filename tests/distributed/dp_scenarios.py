@@ -118,10 +118,13 @@ def train(engine, optimizer, batches, rows: int, rank: int, world_size: int, cli
 
 
 def summed_grads(engine) -> dict[str, torch.Tensor]:
-    """The sum over ranks of `engine.parameters()`' `.grad`: the global gradient ([Note: data parallel])."""
+    """The sum over ranks of `engine.parameters()`' `.grad`: the global gradient ([Note: data parallel]); frozen
+    parameters (no gradient) are left out."""
     engine.synchronize()
     out = {}
     for name, p in engine.named_parameters():
+        if not p.requires_grad:
+            continue
         grad = p.grad.clone()
         dist.all_reduce(grad)
         out[name] = grad
@@ -391,4 +394,47 @@ def mixture_of_experts_counts_the_global_tokens(rank: int, world_size: int, refe
     loss = engine.forward_backward(**mine)
     assert_close(loss, expected["loss"], RTOL, "MoE loss with the router aux loss")
     assert_same_gradients(summed_grads(engine), expected["grads"])
+    engine.close()
+
+
+def lora_reference(path: str) -> None:
+    """One process, PEFT LoRA on a tiny Llama, the whole batch: loss and the adapters' gradients, saved to `path`."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from split_helpers import lora_model, make_batch, reference_loss
+
+    model = lora_model("llama", ["q_proj", "v_proj", "down_proj"])
+    loss = reference_loss(model, make_batch("mixed"))
+    loss.backward()
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}}, path)
+
+
+def lora_counts_the_global_batch(rank: int, world_size: int, reference_path: str) -> None:
+    """PEFT LoRA (frozen base weights, trainable adapters: the multi-machine fine-tune the scaling model counts on)
+    across ranks: loss and the adapters' summed gradients equal plain PEFT on the whole batch, and a step leaves
+    every rank with the same adapters."""
+    from accelerate_roundpipe import wrap_model
+
+    from split_helpers import assert_same_gradients, lora_model, make_batch
+
+    model = lora_model("llama", ["q_proj", "v_proj", "down_proj"])
+    batch = make_batch("mixed")
+    expected = torch.load(reference_path)
+    mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu"], num_microbatches=1, wait_timeout_s=60))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad],
+                                                        lr=1e-2))
+    loss = engine.forward_backward(**mine)
+    assert_close(loss, expected["loss"], RTOL, "LoRA loss")
+    assert_same_gradients(summed_grads(engine), expected["grads"])
+    optimizer.step()
+    optimizer.zero_grad()
+    engine.synchronize()
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    assert adapters and identical_on_every_rank(adapters)
+    assert any(not torch.equal(adapters[n], p) for n, p in lora_model("llama", ["q_proj", "v_proj", "down_proj"])
+               .named_parameters() if n in adapters), "the step changed no adapter"
     engine.close()

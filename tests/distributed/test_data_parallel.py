@@ -112,3 +112,9 @@ def test_a_mixture_of_experts_aux_loss_counts_the_global_tokens(tmp_path):
     reference = str(tmp_path / "moe_reference.pt")
     dp_scenarios.moe_one_process_reference(reference, 2)
     run_ranks(dp_scenarios.mixture_of_experts_counts_the_global_tokens, 2, reference, timeout_s=180)
+
+
+def test_peft_lora_trains_as_one_process_across_ranks(tmp_path):
+    reference = str(tmp_path / "lora_reference.pt")
+    dp_scenarios.lora_reference(reference)
+    run_ranks(dp_scenarios.lora_counts_the_global_batch, 2, reference, timeout_s=180)
