@@ -37,7 +37,7 @@ What every rank computes is what ONE process would compute on the whole global b
   or stalled raises within it, naming the collective and that a peer may have failed (`DataParallelError`), and
   fails the engine through its `FailureFlag`. A rank whose pass failed (or whose engine failed since) still joins
   the pass's exchange with a failure flag set: every rank then learns which rank failed and why, at once. The
-  optimizer thread's collectives run on a helper thread while it waits in slices, so that once the engine has
+  optimizer thread's collectives run on the stream threads while it waits in slices, so that once the engine has
   failed it abandons a collective its failed peer will never join (gloo's asynchronous reduce-scatter cannot be
   polled: it runs inside `wait()`) and `close()` returns at once instead of after gloo's timeout.
 - Streams. One gloo collective moves one TCP stream's worth: on the H200 machine (16 cores, two ranks on one
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from .host_store import HostStore
-from .sync import POLL_S, FailureFlag, SerialExecutor
+from .sync import POLL_S, FailureFlag
 
 COLLECTIVE_STREAMS = 8  # gloo groups the optimizer thread's large collectives are cut over ([Note: data parallel])
 MIN_STREAM_ELEMENTS = 1 << 20  # per rank and chunk: below it a bucket goes as one collective
@@ -93,32 +93,39 @@ class _Streams:
                 return
             job()
 
-    def run(self, chunks: list[Callable[[], Any]]) -> None:
-        """Run `chunks[k]` on stream k, all at once; raise the first error once every chunk ended."""
-        done = [threading.Event() for _ in chunks]
-        errors: list[BaseException | None] = [None] * len(chunks)
-
-        def job(k: int) -> Callable[[], None]:
-            def run_chunk() -> None:
-                try:
-                    chunks[k]()
-                except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                    errors[k] = error
-                finally:
-                    done[k].set()
-            return run_chunk
-
-        for k in range(len(chunks)):
-            self._queues[k].put(job(k))
-        for event in done:
-            event.wait()
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+    def start(self, chunks: list[Callable[[], Any]]) -> CollectiveHandle:
+        """Start `chunks[k]` on stream k, all at once (each stream runs what it gets in order)."""
+        handle = CollectiveHandle(len(chunks))
+        for k, chunk in enumerate(chunks):
+            self._queues[k].put(handle.job(chunk))
+        return handle
 
     def stop(self) -> None:
         for jobs in self._queues:
             jobs.put(None)
+
+
+class CollectiveHandle:
+    """One collective running on the streams: finished once every chunk ended; `error` the first one raised."""
+
+    def __init__(self, num_chunks: int) -> None:
+        self._left = num_chunks
+        self._lock = threading.Lock()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    def job(self, chunk: Callable[[], Any]) -> Callable[[], None]:
+        def run_chunk() -> None:
+            try:
+                chunk()
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                self.error = self.error or error
+            finally:
+                with self._lock:
+                    self._left -= 1
+                    if self._left == 0:
+                        self.finished.set()
+        return run_chunk
 
 
 def chunk_bounds(per_rank: int, streams: int = COLLECTIVE_STREAMS,
@@ -208,7 +215,6 @@ class DataParallelGroup:
         # The engine's: the optimizer thread abandons its collective when the engine fails (its peers may never
         # join it), so that close() does not wait for gloo's timeout. Set by the engine.
         self.failure: FailureFlag | None = None
-        self._runner: SerialExecutor | None = None  # runs the optimizer thread's collectives (`_run_abandonable`)
 
     def __repr__(self) -> str:
         return f"DataParallelGroup(rank={self.rank}, world_size={self.world_size})"
@@ -241,41 +247,27 @@ class DataParallelGroup:
             f"failed, been killed or stalled for longer than the timeout ({self.timeout_s:g} s, wait_timeout_s / "
             f"ROUNDPIPE_WAIT_TIMEOUT_S): look at the other ranks' errors.")
 
-    def _run_abandonable(self, what: str, collective: Callable[[], Any]) -> None:
-        """An optimizer-thread collective, run on a helper thread while the optimizer thread waits in slices, so
-        that a failure of this engine elsewhere abandons the wait (`FailureFlag.check` raises `Aborted` in engine
-        threads) and `close()` need not wait for gloo's timeout: the peers of a failed rank may never join it.
-        (gloo's asynchronous reduce-scatter cannot be polled: its work runs inside `wait()`.)"""
+    def _run_on_streams(self, what: str, chunks: list[Callable[[], Any]]) -> None:
+        """An optimizer-thread collective: `chunks[k]` on stream k (one daemon thread per group), while the
+        optimizer thread waits in slices, so that a failure of this engine elsewhere abandons the wait
+        (`FailureFlag.check` raises `Aborted` in engine threads) and `close()` need not wait for gloo's timeout:
+        the peers of a failed rank may never join it. (gloo's asynchronous reduce-scatter cannot be polled: its
+        work runs inside `wait()`.)"""
         started = time.monotonic()
-        done = threading.Event()
-        outcome: list[BaseException | None] = [None]
-
-        def run() -> None:
-            try:
-                collective()
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                outcome[0] = error
-            finally:
-                done.set()
-
-        if self._runner is None:
-            self._runner = SerialExecutor(FailureFlag(), "roundpipe-collectives")  # never fails: errors are handed on
-        self._runner.submit(run)
-        while not done.wait(POLL_S):
+        handle = self._streams.start(chunks)
+        while not handle.finished.wait(POLL_S):
             if time.monotonic() - started > self.timeout_s + 10 * POLL_S:  # gloo's own timeout did not fire
                 raise self._error(what, started, TimeoutError(f"no result after {self.timeout_s:g} s"))
             if self.failure is not None:
                 self.failure.check()
-        if outcome[0] is not None:
-            raise self._error(what, started, outcome[0]) from outcome[0]
+        if handle.error is not None:
+            raise self._error(what, started, handle.error) from handle.error
 
     def close(self, clean: bool = True) -> None:
         """Stop the helper threads once their collective (if any) ends; the engine is closing. After a `clean`
         close (every collective of this engine done on every rank: it synchronized first) the engine's process
         groups are destroyed, so a process that builds engine after engine does not pile up gloo groups and their
         connections; after a failure they are left to the process (a collective may still be stuck in one)."""
-        if self._runner is not None:
-            self._runner.stop()
         self._streams.stop()
         if clean:
             for group in dict.fromkeys([self.caller_group, *self.stream_groups]):
@@ -348,7 +340,7 @@ class DataParallelGroup:
             pieces = [flat[r * per_rank + start:r * per_rank + stop] for r in range(self.world_size)]
             chunks.append(lambda pieces=pieces, target=out[start:stop], group=group:
                           self.dist.reduce_scatter(target, pieces, group=group))
-        self._run_abandonable(f"the reduce-scatter of {what}", lambda: self._streams.run(chunks))
+        self._run_on_streams(f"the reduce-scatter of {what}", chunks)
 
     def all_gather(self, flat: torch.Tensor, what: str) -> None:
         """Fill `flat` with every rank's range (this rank's own range is read in place: gloo gathers into a buffer
@@ -359,9 +351,10 @@ class DataParallelGroup:
             pieces = [flat[r * per_rank + start:r * per_rank + stop] for r in range(self.world_size)]
             chunks.append(lambda pieces=pieces, group=group:
                           self.dist.all_gather(pieces, pieces[self.rank], group=group))
-        self._run_abandonable(f"the all-gather of {what}", lambda: self._streams.run(chunks))
+        self._run_on_streams(f"the all-gather of {what}", chunks)
 
     def sum_on_optimizer_thread(self, value: float, what: str) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)
-        self._run_abandonable(what, lambda: self.dist.all_reduce(tensor, group=self.optimizer_group))
+        # On stream 0, whose group is `optimizer_group`: in order with the chunks queued there before it.
+        self._run_on_streams(what, [lambda: self.dist.all_reduce(tensor, group=self.optimizer_group)])
         return float(tensor[0])

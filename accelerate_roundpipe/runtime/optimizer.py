@@ -78,12 +78,13 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
         self._clip: StepNorm | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
-        prefer_fused(inner)
+        prefer_fused(inner)  # the step snapshots its groups' settings (a shard's optimizer too)
         self.data_parallel = data_parallel
         # Under data parallelism this rank steps its shard with an optimizer of its own ([Note: data parallel]).
         self._shards = ShardedSteps(inner, store, data_parallel) if data_parallel is not None else None
         self._stepper = self._shards.optimizer if self._shards is not None else inner
-        prefer_fused(self._stepper)
+        if self._stepper is not inner:
+            prefer_fused(self._stepper)
         self.state = self._stepper.state
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
         self._step_order = store.trainable_in_backward_order
@@ -155,14 +156,11 @@ class LaggedOptimizer(torch.optim.Optimizer):
             bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
             try:
                 shard = self._shard(bucket)
-                if shard is not None:
-                    if bucket.grad_valid:
-                        self._reduce(bucket, shard, ticket)
-                    with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
-                        step_norm.add(shard.squared_norm() if bucket.grad_valid else 0.0)
-                    return
+                if shard is not None and bucket.grad_valid:
+                    self._reduce(bucket, shard, ticket)  # the norm is the reduced (global) gradient's
                 with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
-                    step_norm.add(bucket.squared_norm())
+                    step_norm.add(bucket.squared_norm() if shard is None or not bucket.grad_valid
+                                  else shard.squared_norm())
             finally:
                 bucket.grads.end(ticket)
 
