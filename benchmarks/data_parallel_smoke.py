@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipeConfig, wrap_model  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
+from benchmarks.records import emit  # noqa: E402
 from benchmarks.workloads import WORKLOADS  # noqa: E402
 
 COLLECTIVE_WORDS = ("reduce", "gather", "collective", "all-reduce", "broadcast")
@@ -101,10 +102,7 @@ def main() -> None:
     if trace:
         per_step = collective_time(trace, sum(timed))
         record.update({k: v / len(timed) if k.endswith("_s") else v for k, v in per_step.items()})
-    print("RESULT " + json.dumps(record), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    emit(record, args.out)
     dist.destroy_process_group()
 
 

@@ -10,13 +10,17 @@ the data-parallel engine's step time depends on ([Note: data parallel]).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.records import emit  # noqa: E402
 
 
 def run_parallel(jobs: list) -> None:
@@ -85,11 +89,7 @@ def main() -> None:
                   "all_gather_gb_s": numel * 4 / ag / 1e9, "threads": torch.get_num_threads(),
                   "commit": os.environ.get("BENCH_COMMIT", "unknown")}
         if rank == 0:
-            print("RESULT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}),
-                  flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            emit(record, args.out, digits=4)
     dist.destroy_process_group()
 
 

@@ -15,11 +15,15 @@ from the kernel; only fewer bytes or more memory bandwidth make it faster).
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.records import emit  # noqa: E402
 
 ADAMW_BYTES_PER_PARAM = 16 + 12  # reads weight, grad, exp_avg, exp_avg_sq; writes weight, exp_avg, exp_avg_sq
 
@@ -67,11 +71,7 @@ def main() -> None:
     record.update(memory_rates(args.gib, args.repeats))
     record.update(adamw_rate(int(args.layer_params), args.layers, args.repeats))
     record["adamw_of_triad"] = record["adamw_gb_s"] / record["triad_gb_s"]
-    print("RESULT host roofline " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                                 for k, v in record.items()}))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    emit(record, args.out, label="host roofline", digits=3)
 
 
 if __name__ == "__main__":

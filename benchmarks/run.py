@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from benchmarks.commit import git_commit  # noqa: E402
 from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa: E402
 from benchmarks.memory import is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
+from benchmarks.records import emit  # noqa: E402
 from benchmarks.runners import RUNNERS  # noqa: E402
 from benchmarks.runners.common import config_values  # noqa: E402
 from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
@@ -142,10 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
                              args.max_grad_norm)
-            line = json.dumps(record)
-            print("RESULT", line, flush=True)
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+            emit(record, args.out)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -318,3 +318,16 @@ def test_docs_markers_must_pair(tmp_path):
     page.write_text(f"x\n{results_page.END}\n{results_page.BEGIN}\n")
     with pytest.raises(ValueError):
         results_page.rewrite_docs(str(page), "y")
+
+
+def test_a_record_is_printed_rounded_and_kept_whole(tmp_path, capsys):
+    import json
+
+    from benchmarks.records import emit
+
+    out = tmp_path / "records.jsonl"
+    emit({"x": 1.234567, "n": 3}, str(out), label="host roofline", digits=2)
+    emit({"x": 2.5}, str(out))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ['RESULT host roofline {"x": 1.23, "n": 3}', 'RESULT {"x": 2.5}']
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [{"x": 1.234567, "n": 3}, {"x": 2.5}]
