@@ -18,7 +18,6 @@ setting it read. Two changes cannot be followed and are refused:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 
 from torch import nn
@@ -40,8 +39,9 @@ class AdapterSwitches:
         self.shown = self.read()
 
     def read(self) -> tuple:
-        """The switches now, as values (copied: comparable with, and restorable from, a later reading)."""
-        return tuple(tuple(copy.deepcopy(vars(module).get(name)) for name in SWITCHES) for _, _, module in self.holders)
+        """The switches now, as values (lists as tuples: comparable with, and restorable from, a later reading;
+        read before every pass, so nothing is copied deeper than that)."""
+        return tuple(tuple(_frozen(vars(module).get(name)) for name in SWITCHES) for _, _, module in self.holders)
 
     def check(self, training: bool) -> tuple:
         """Refuse what cannot be followed ([Note: adapter switches]); returns the setting the pass runs with."""
@@ -81,5 +81,10 @@ class AdapterSwitches:
                 target = copy_module.get_submodule(path)
                 for name, value in zip(SWITCHES, values):
                     if name in vars(target):
-                        setattr(target, name, copy.deepcopy(value))
+                        setattr(target, name, list(value) if isinstance(value, tuple) else value)
         self.shown = setting
+
+
+def _frozen(value):
+    """PEFT keeps adapter names as a str or a list of str, and merged adapters as a list: lists become tuples."""
+    return tuple(value) if isinstance(value, list) else value
