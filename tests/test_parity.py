@@ -192,7 +192,7 @@ def test_layer_copies_hold_no_device_tensors_between_tasks():
     engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
     engine.synchronize()
     copies = [c for w in engine._dispatch.workers for c in w.residency.copies.values()]
-    assert copies and all(module._parameters[attr] is None for c in copies for module, attr, _, _ in c._targets)
+    assert copies and all(module._parameters[attr] is None for c in copies for module, attr, _ in c._targets)
     engine.close()
 
 

@@ -29,7 +29,7 @@ def test_read_tickets_end_as_their_copies_land_in_order():
     indices = [b.index for b in store.buckets[:3]]
     tickets = [(b, store.buckets[b].reads.reserve_read()) for b in indices]
     events = {indices[0]: CopyEvent(True), indices[1]: CopyEvent(False), indices[2]: CopyEvent(True)}
-    params = TaskParams({}, list(tickets))
+    params = TaskParams({}, {}, list(tickets))
     params.mark_issued(list(tickets), [events[b] for b in indices])
 
     def open_reads() -> list[bool]:

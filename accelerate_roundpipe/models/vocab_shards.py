@@ -25,10 +25,11 @@ Without labels each shard appends its logits to a [b, T, stop_k] tensor it passe
 `nn.Linear` lm_head, no logit transforms: [Note: fused loss path] in `head.py`); otherwise `shard_head` says so.
 Per-token fields (TRL's fused LM head) are not computed by shards: use `head_shards=1` for them.
 
-Today every shard lists the whole lm_head weight as its parameter, so the host store keeps it in one bucket shared
-by the shards: each task that runs a shard uploads the whole head weight and commits a whole-size gradient (zero
-outside its rows). Correct, but the traffic of one unsplit head per shard: uploading only a shard's rows needs host
-buckets over row ranges of one parameter, which the host store does not have yet.
+Every shard holds the whole lm_head module (one parameter for the user's optimizer, checkpoints and tied
+embeddings), and says with `parameter_rows()` which rows it reads: a task running shard k uploads rows
+[start_k, stop_k) of the weight (and bias) and downloads their gradient only ([Note: row windows] in
+`runtime/host_store.py`), so K shards move one head's bytes between them, not K. Bound that way on a worker, the
+shard's `lm_head.weight` *is* its rows; run whole (the split model outside the engine), it slices them itself.
 """
 
 from __future__ import annotations
@@ -127,6 +128,20 @@ class VocabShard(nn.Module):
     def extra_repr(self) -> str:
         return f"rows {self.start}..{self.stop - 1}, first={self.is_first}, last={self.is_last}"
 
+    def parameter_rows(self) -> dict[str, tuple[int, int]]:
+        """The rows of the lm_head this shard reads ([Note: row windows])."""
+        rows = {"lm_head.weight": (self.start, self.stop)}
+        if self.lm_head.bias is not None:
+            rows["lm_head.bias"] = (self.start, self.stop)
+        return rows
+
+    def _rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """This shard's rows of the lm_head `tensor`: bound to them on a worker, else sliced from the whole. (A
+        shard has fewer rows than the vocabulary, so the two cases never look alike.)"""
+        if tensor is None or tensor.shape[0] == self.stop - self.start:
+            return tensor
+        return tensor[self.start:self.stop]
+
     def forward(self, hidden, attention_mask, position_ids, *rest):
         if self.is_first:
             extras, carried = rest, None
@@ -134,8 +149,7 @@ class VocabShard(nn.Module):
         else:
             extras, carried = rest[:-1], rest[-1]
             hidden = hidden.view_as(hidden)  # passed on: its gradient is the sum of every later shard's
-        weight = self.lm_head.weight[self.start:self.stop]
-        bias = None if self.lm_head.bias is None else self.lm_head.bias[self.start:self.stop]
+        weight, bias = self._rows(self.lm_head.weight), self._rows(self.lm_head.bias)
         if len(extras) == 1:
             raise NotImplementedError("per-token fields (TRL's fused LM head) are not computed by a head split into "
                                       "vocabulary shards; set head_shards=1 (env ROUNDPIPE_HEAD_SHARDS).")

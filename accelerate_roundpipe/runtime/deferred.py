@@ -33,11 +33,13 @@ class DeferredCommit:
     resolved: bool = False
 
 
-def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor | None:
-    """Where a deferred pass's gradients go; returns what to commit directly into the gradient buffer."""
+def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor,
+                 window: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """Where a deferred pass's gradients (of the elements `window`, [Note: row windows]) go; returns what to commit
+    directly into the gradient buffer."""
     if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
         return grad
-    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started)
+    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window)
     deferred.pending_started.add(bucket.index)
     return None
 

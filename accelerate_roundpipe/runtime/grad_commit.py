@@ -53,11 +53,14 @@ class GradCommits:
         """Download the gradients of `tickets`' buckets and let the commit thread commit them on the host (so the
         device moves on at once); the commit of the task's `last` group sets `job.done`."""
         # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
-        outs = [self.store.grad_pool.take(self.store.buckets[b].optim) for b, _ in tickets]
+        # A task that read only rows of a bucket downloads those rows ([Note: row windows]).
+        windows = [params.windows[b] for b, _ in tickets]
+        outs = [self.store.grad_pool.take(self.store.buckets[b].optim[slice(*window)])
+                for (b, _), window in zip(tickets, windows)]
         payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
             self.residency.unbind()
-        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, last))
+        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, windows, last))
 
     def finish(self, job: TaskJob, params: TaskParams, commits: dict) -> bool:
         """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
@@ -67,29 +70,31 @@ class GradCommits:
             self.commit(job, params, remaining, last=True)
         return bool(job.grad_tickets)
 
-    def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]], last: bool) -> None:
+    def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]],
+                        windows: list[tuple[int, int]], last: bool) -> None:
         try:
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
                 *grads, squares = payload.host()
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
-                self._add_grads(job, tickets, grads, squares.tolist())
+                self._add_grads(job, tickets, windows, grads, squares.tolist())
         finally:
             if last:
                 job.done.set(True)
 
-    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], grads: list, squares: list[float]) -> None:
+    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], windows: list[tuple[int, int]], grads: list,
+                   squares: list[float]) -> None:
         """Commit downloaded gradients (and their device-measured squared norms) in their buckets' turn (a deferred
         pass's may be held apart instead), then return the spare buffer to the pool."""
-        for (bucket_index, ticket), grad, square in zip(tickets, grads, squares):
+        for (bucket_index, ticket), window, grad, square in zip(tickets, windows, grads, squares):
             bucket = self.store.buckets[bucket_index]
             spare = grad  # what goes back to the pool once this commit is done
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
             try:
                 faults.point("commit")
                 if job.state.deferred is not None:
-                    grad = route_commit(job.state.deferred, bucket, grad)
+                    grad = route_commit(job.state.deferred, bucket, grad, window)
                 if grad is not None:
-                    spare = bucket.commit(grad, square)
+                    spare = bucket.commit(grad, square, window)
             except BaseException as error:
                 # Flagged before the turn ends: the step waiting for this turn must not take it as committed.
                 self.failure.fail(error, f"{threading.current_thread().name} (commit of {bucket})")

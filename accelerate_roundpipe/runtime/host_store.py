@@ -9,6 +9,15 @@ bucket holds
 - `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies. A commit into an
   empty buffer swaps the downloaded buffer in ([Note: gradient swap]): read `bucket.grad` afresh, never keep it.
 Frozen (requires_grad=False) parameters get a compute copy only: no optimizer state, no gradient traffic.
+
+[Note: row windows]
+A layer may read only some rows of a parameter: a vocabulary shard reads rows [start, stop) of the lm_head weight
+([Note: vocabulary shards]). It says so with `parameter_rows()` (the parameter's name inside the layer -> its row
+range). Its `Binding` then carries that *window* of the bucket (elements, contiguous: rows of a row-major tensor),
+and a task uploads, binds and sends back gradients for only the union of its layers' windows of each bucket
+(`HostStore.window`), not the whole bucket. The buckets, the optimizer and its parameters stay whole: one parameter,
+one bucket, one optimizer step, whatever the layers that read it. A windowed commit adds into its rows of the
+bucket's gradient (`Bucket.commit`).
 """
 
 from __future__ import annotations
@@ -81,6 +90,9 @@ class Bucket:
     optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
+    # The windows committed since `grad` was last all zero, outside which it is still zero; None: unknown
+    # ([Note: row windows]).
+    written: list[tuple[int, int]] | None = None
     steps: StepCount = field(default_factory=lambda: StepCount())  # [Note: torn weights]
     # The version the next training pass reads, kept aside while a look shows a lagged step's newer weights in
     # `compute` ([Note: looking changes nothing]); dropped by the held write-back.
@@ -117,20 +129,47 @@ class Bucket:
     # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
     # bucket's gradient turn (`grads`), on whichever host thread holds it.
 
-    def commit(self, grad: torch.Tensor, grad_sq: float | None = None) -> torch.Tensor:
+    def commit(self, grad: torch.Tensor, grad_sq: float | None = None,
+               window: tuple[int, int] | None = None) -> torch.Tensor:
         """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device): add them to a buffer
-        that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]).
-        Returns the spare buffer nobody reads any more."""
+        that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]); a
+        `window` download (elements [start, stop): [Note: row windows]) goes into its rows. Returns the spare
+        buffer nobody reads any more."""
+        if window is not None and window != (0, self.grad.numel()):
+            return self._commit_window(grad, grad_sq, window)
         if self.grad_valid:
             self.grad.add_(grad)
             # [Note: device norms] a sum's norm is not the sum of norms, unless what was held was exactly zero.
             self.grad_sq = grad_sq if self.grad_sq == 0.0 else None
+            self.written = None
             return grad
         spare, self.grad = self.grad, grad
         self.grad_valid = True
         self.grad_sq = grad_sq
+        self.written = None
         self._attach_grads()
         return spare
+
+    def _commit_window(self, grad: torch.Tensor, grad_sq: float | None, window: tuple[int, int]) -> torch.Tensor:
+        start, stop = window
+        if not self.grad_valid:  # the rows outside the window hold no gradient: zero them, once
+            self.grad[:start].zero_()
+            self.grad[stop:].zero_()
+            self.grad[start:stop].copy_(grad)
+            self.grad_valid = True
+            self.grad_sq, self.written = grad_sq, [window]
+            self._attach_grads()
+            return grad
+        # [Note: device norms] norms add where the window held exactly zero: all zero, or outside every window
+        # written since the buffer was last zero.
+        if self.grad_sq == 0.0:
+            self.written = []
+        known_zero = self.written is not None and all(stop <= a or b <= start for a, b in self.written)
+        self.grad[start:stop].add_(grad)
+        self.grad_sq = self.grad_sq + grad_sq if known_zero and None not in (self.grad_sq, grad_sq) else None
+        if self.written is not None:
+            self.written.append(window)
+        return grad
 
     def clear(self) -> None:
         """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites."""
@@ -143,6 +182,7 @@ class Bucket:
         if self.grad_valid:
             self.grad.zero_()
             self.grad_sq = 0.0
+            self.written = []
 
     def scale(self, ratio: float) -> None:
         self.grad.mul_(ratio)
@@ -161,19 +201,24 @@ class Bucket:
             self.grad_sq = float(torch.linalg.vector_norm(self.grad)) ** 2
         return self.grad_sq
 
-    def add_pending(self, grad: torch.Tensor, first: bool) -> None:
+    def add_pending(self, grad: torch.Tensor, first: bool, window: tuple[int, int] | None = None) -> None:
         """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
-        sum, overwriting what an earlier pass left ([Note: deferred gradient commit])."""
+        sum, overwriting what an earlier pass left ([Note: deferred gradient commit]); `window`: the elements the
+        download covers ([Note: row windows])."""
+        start, stop = window or (0, self.grad.numel())
         if not first:
-            self.pending.add_(grad)
+            self.pending[start:stop].add_(grad)
             return
         if self.pending is None:
             self.pending = torch.empty_like(self.grad)
-        self.pending.copy_(grad)
+        self.pending[:start].zero_()
+        self.pending[stop:].zero_()
+        self.pending[start:stop].copy_(grad)
 
     def commit_pending(self, ratio: float) -> None:
         self.grad.add_(self.pending, alpha=ratio)
         self.grad_sq = None
+        self.written = None
 
     def _attach_grads(self) -> None:
         assert self.grad is not None
@@ -185,6 +230,21 @@ class Bucket:
             slot.optim.grad = None
 
 
+def _binding(module_path: str, attr: str, bucket_index: int, slot: ParamSlot, slot_index: int,
+             rows: tuple[int, int] | None) -> Binding:
+    """The binding of one parameter use; `rows`: the row range the layer reads, if not all ([Note: row windows])."""
+    if rows is None:
+        return Binding(module_path, attr, bucket_index, slot_index)
+    start, stop = rows
+    num_rows = slot.shape[0] if len(slot.shape) else 0
+    if not 0 <= start < stop <= num_rows:
+        raise ValueError(f"parameter_rows() of a layer gives rows {start}..{stop} of {slot.name}, which has "
+                         f"{num_rows} rows.")
+    row = slot.numel // num_rows
+    window = (slot.offset + start * row, slot.offset + stop * row)
+    return Binding(module_path, attr, bucket_index, slot_index, window, torch.Size((stop - start, *slot.shape[1:])))
+
+
 @dataclass(frozen=True)
 class Binding:
     """Where one parameter use inside a layer gets its tensor from."""
@@ -193,6 +253,10 @@ class Binding:
     attr: str
     bucket_index: int
     slot_index: int
+    # The elements [start, stop) of the bucket the layer reads and the shape it sees them in, when it reads only
+    # some rows of the parameter ([Note: row windows]); None: the whole parameter.
+    window: tuple[int, int] | None = None
+    shape: torch.Size | None = None
 
 
 class HostStore:
@@ -243,13 +307,16 @@ class HostStore:
         self.layer_bindings: list[list[Binding]] = []
         self.layer_buckets: list[list[int]] = []
         for layer in layers:
+            rows = layer.parameter_rows() if hasattr(layer, "parameter_rows") else {}
             bindings, used = [], []
             for module_path, module in layer.named_modules(remove_duplicate=False):
                 for attr, p in module._parameters.items():
                     if p is None:
                         continue
                     bucket_index, slot_index = self.bucket_of[id(p)]
-                    bindings.append(Binding(module_path, attr, bucket_index, slot_index))
+                    name = f"{module_path}.{attr}" if module_path else attr
+                    slot = self.buckets[bucket_index].slots[slot_index]
+                    bindings.append(_binding(module_path, attr, bucket_index, slot, slot_index, rows.get(name)))
                     if bucket_index not in used:
                         used.append(bucket_index)
             self.layer_bindings.append(bindings)
@@ -283,6 +350,24 @@ class HostStore:
         if optim is not None:
             bucket.optim_version_seen = optim._version
         return bucket
+
+    def window(self, layers: range, bucket_index: int) -> tuple[int, int]:
+        """The elements [start, stop) of bucket `bucket_index` that the layers `layers` read: the whole bucket unless
+        every use is a row window, then the smallest range covering them ([Note: row windows])."""
+        windows = [b.window for layer in layers for b in self.layer_bindings[layer] if b.bucket_index == bucket_index]
+        if not windows or any(w is None for w in windows):
+            return 0, self.buckets[bucket_index].compute.numel()
+        return min(w[0] for w in windows), max(w[1] for w in windows)
+
+    def window_bytes(self, layers: range, trainable_only: bool = False) -> int:
+        """Bytes of the compute copies the layers `layers` read, their row windows only ([Note: row windows])."""
+        total = 0
+        for bucket_index in self.buckets_of_layers(layers):
+            bucket = self.buckets[bucket_index]
+            if bucket.trainable or not trainable_only:
+                start, stop = self.window(layers, bucket_index)
+                total += (stop - start) * bucket.compute.element_size()
+        return total
 
     def buckets_of_layers(self, layers: range) -> list[int]:
         used: set[int] = set()

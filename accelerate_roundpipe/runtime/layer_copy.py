@@ -7,6 +7,7 @@ deep-copies a layer once, without its parameters, and binds the tensors it uploa
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -63,19 +64,19 @@ class LayerCopy:
         self.layer_index = layer_index
         self.kind = type(layer).__name__
         modules = dict(self.module.named_modules(remove_duplicate=False))
-        self._targets = [(modules[b.module_path], b.attr, b.bucket_index, b.slot_index) for b in bindings]
+        self._targets = [(modules[b.module_path], b.attr, b) for b in bindings]
         self._modules = list(self.module.named_modules(remove_duplicate=False))
 
-    def bind(self, views: dict[int, list[torch.Tensor]]) -> None:
-        """Point every parameter use at the uploaded tensors (`views[bucket][slot]`)."""
-        for module, attr, bucket_index, slot_index in self._targets:
-            module._parameters[attr] = views[bucket_index][slot_index]
+    def bind(self, tensor_for: Callable[[Binding], torch.Tensor]) -> None:
+        """Point every parameter use at its uploaded tensor (`tensor_for(binding)`)."""
+        for module, attr, binding in self._targets:
+            module._parameters[attr] = tensor_for(binding)
 
     def unbind(self) -> None:
         """Drop the task's tensors: a bound view keeps its whole uploaded flat (and, through `.grad`, its gradient
         buffer) alive on the device, so a copy left bound after its task would hold every layer's parameters and
         gradients on the GPU at once (on a 24 GiB card that was the difference between fitting and not)."""
-        for module, attr, _, _ in self._targets:
+        for module, attr, _ in self._targets:
             module._parameters[attr] = None
 
     def set_training(self, training: bool) -> None:

@@ -106,10 +106,9 @@ class LayerProfile:
             recompute.append(with_graph if with_graph is not None else forward[-1])
             backward.append(self._mean(LayerRun.BACKWARD, layer) or 2 * forward[-1])
         params, grads = [], []
-        for layer in range(self.num_layers):
-            buckets = [store.buckets[b] for b in store.layer_buckets[layer]]
-            params.append(sum(b.compute.numel() * b.compute.element_size() for b in buckets))
-            grads.append(sum(b.compute.numel() * b.compute.element_size() for b in buckets if b.trainable))
+        for layer in range(self.num_layers):  # what its tasks move: its row windows only ([Note: row windows])
+            params.append(store.window_bytes(range(layer, layer + 1)))
+            grads.append(store.window_bytes(range(layer, layer + 1), trainable_only=True))
         return LayerCosts(forward_s=forward, backward_s=backward, recompute_s=recompute, param_bytes=params,
                           grad_bytes=grads, act_bytes=[self._act_bytes[i] for i in range(self.num_layers)],
                           input_bytes=[self._input_bytes[i] for i in range(self.num_layers)],

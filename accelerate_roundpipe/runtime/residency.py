@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .device import Device
-from .host_store import HostStore
+from .host_store import Binding, HostStore
 from .jobs import TaskJob
 from .layer_copy import LayerCopy
 from .sync import FailureFlag
@@ -27,20 +27,22 @@ class TaskParams:
     in place into one flat buffer per bucket, ready to download as is (views that require grad on a flat that
     requires grad would instead cost a full-size zero tensor per parameter per backward). `tickets` are the read
     tickets not yet ended (held until the copies have read the host), `unissued` those whose upload is not issued
-    yet: always a suffix of `tickets`.
+    yet: always a suffix of `tickets`. `windows[b]` are the elements [start, stop) of bucket b that `flats[b]` holds:
+    the whole bucket, or the rows the task's layers read ([Note: row windows]).
     """
 
-    __slots__ = ("flats", "events", "pending", "tickets", "unissued", "grads", "views", "newest")
+    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "newest")
 
-    def __init__(self, flats: dict[int, torch.Tensor], tickets: list[tuple[int, int]], newest: bool = False) -> None:
+    def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
+                 tickets: list[tuple[int, int]], newest: bool = False) -> None:
         self.flats = flats
+        self.windows = windows
         self.newest = newest  # an evaluation pass reads the newest weights ([Note: looking changes nothing])
         self.tickets = list(tickets)
         self.unissued = list(tickets)
         self.events: dict[int, object] = {}
         self.pending: set[int] = set()
         self.grads: dict[int, torch.Tensor] = {}
-        self.views: dict[int, list[torch.Tensor]] = {}
 
     def mark_issued(self, batch: list[tuple[int, int]], events: list) -> None:
         del self.unissued[:len(batch)]
@@ -71,8 +73,9 @@ class ParamResidency:
 
     def _allocate(self, job: TaskJob) -> TaskParams:
         indices = [b for b, _ in job.read_tickets]
-        flats = self.device.empty_params([self.store.buckets[b].compute for b in indices])
-        return TaskParams(dict(zip(indices, flats)), job.read_tickets, newest=job.state.reads_newest)
+        windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
+        flats = self.device.empty_params([self.store.buckets[b].compute[slice(*windows[b])] for b in indices])
+        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.state.reads_newest)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -96,8 +99,9 @@ class ParamResidency:
                 batch.append((bucket_index, epoch))
             if not batch:
                 return
-            events = self.device.upload_params_into([params.flats[b] for b, _ in batch],
-                                                    [buckets[b].current(params.newest) for b, _ in batch])
+            events = self.device.upload_params_into(
+                [params.flats[b] for b, _ in batch],
+                [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch])
             params.mark_issued(batch, events)
             if not need_more:
                 return
@@ -154,19 +158,36 @@ class ParamResidency:
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
-        for bucket_index, flat in params.flats.items():
-            bucket = self.store.buckets[bucket_index]
-            views = bucket.views(flat)
-            if with_grad and bucket.trainable:
-                grad = torch.zeros_like(flat)
-                for view, grad_view in zip(views, bucket.views(grad)):
-                    view.requires_grad_(True)
-                    view.grad = grad_view
-                params.grads[bucket_index] = grad
-            params.views[bucket_index] = views
+        if with_grad:
+            for bucket_index, flat in params.flats.items():
+                if self.store.buckets[bucket_index].trainable:
+                    params.grads[bucket_index] = torch.zeros_like(flat)
+        tensors: dict[tuple, torch.Tensor] = {}
+
+        def tensor_for(binding: Binding) -> torch.Tensor:
+            """One tensor per parameter use (tied uses share it): a view of the task's flat, a leaf whose `.grad` is
+            preset to the same view of its gradient flat."""
+            key = (binding.bucket_index, binding.slot_index, binding.window)
+            tensor = tensors.get(key)
+            if tensor is None:
+                tensor = tensors[key] = self._view(params, binding)
+            return tensor
+
         for layer in job.task.span.layers:
-            self.copy(layer).bind(params.views)
+            self.copy(layer).bind(tensor_for)
         self._bound = job.task.span.layers
+
+    def _view(self, params: TaskParams, binding: Binding) -> torch.Tensor:
+        slot = self.store.buckets[binding.bucket_index].slots[binding.slot_index]
+        start, stop = binding.window or (slot.offset, slot.offset + slot.numel)
+        shape = binding.shape or slot.shape
+        offset = params.windows[binding.bucket_index][0]
+        view = params.flats[binding.bucket_index][start - offset:stop - offset].view(shape)
+        grad = params.grads.get(binding.bucket_index)
+        if grad is not None:
+            view.requires_grad_(True)
+            view.grad = grad[start - offset:stop - offset].view(shape)
+        return view
 
     def await_layer(self, params: TaskParams, layer_index: int) -> None:
         """Make the compute stream wait for the buckets of `layer_index`, issuing their uploads first if they are

@@ -13,6 +13,8 @@ from torch import nn
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.models import split_causal_lm
 from accelerate_roundpipe.models.vocab_shards import VocabShard, shard_bounds
+from accelerate_roundpipe.runtime.device import Device
+from accelerate_roundpipe.runtime.host_store import Bucket
 
 from split_helpers import (
     VOCAB,
@@ -135,6 +137,56 @@ def test_engine_matches_hf_on_cpu_workers(num_devices, tied):
             out = model(**batch)
         assert_close(out.logits, ref_logits, "eval logits")
         assert_close(out.loss, ref_loss, "eval loss", rtol=1e-6)  # the eval loss comes from the logits in fp32
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_shard_moves_only_its_rows(monkeypatch, tied):
+    """[Note: row windows]: with one shard per stage, every upload of the head weight is one shard's rows (or, tied,
+    the embedding's whole weight) and every gradient it sends back is those rows; the gradients stay HF's."""
+    model = build_model("llama", tie_word_embeddings=tied)
+    batch = make_batch("mixed")
+    _, ref_grads = hf_reference(model, batch)
+    uploads, commits = [], []
+    real_upload, real_commit = Device.upload_params_into, Bucket.commit
+
+    def upload(self, flats, hosts):
+        uploads.extend((h.data_ptr(), h.numel()) for h in hosts)
+        return real_upload(self, flats, hosts)
+
+    def commit(self, grad, grad_sq=None, window=None):
+        commits.append((self.index, window or (0, self.grad.numel())))
+        return real_commit(self, grad, grad_sq, window)
+
+    monkeypatch.setattr(Device, "upload_params_into", upload)
+    monkeypatch.setattr(Bucket, "commit", commit)
+    below = 1 + model.config.num_hidden_layers  # the embedding and the decoder layers
+    config = RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, head_shards=4,
+                             forward_stages=[below, 1, 1, 1], backward_stages=[below, 1, 1, 1, 1])
+    engine = wrap_model(model, config)
+    try:
+        store = engine._store
+        head, _ = store.bucket_of[id(model.lm_head.weight)]
+        bucket = store.buckets[head]
+        row = model.config.hidden_size
+        first = 1 + model.config.num_hidden_layers
+        bounds = [(start * row, stop * row) for start, stop in shard_bounds(VOCAB, 4)]
+        assert [store.window(range(first + k, first + k + 1), head) for k in range(4)] == bounds
+        loss = engine.forward_backward(**batch)
+        engine.synchronize()
+        base, esize = bucket.compute.data_ptr(), bucket.compute.element_size()
+        head_uploads = [((ptr - base) // esize, (ptr - base) // esize + numel) for ptr, numel in uploads
+                        if base <= ptr < base + bucket.compute.numel() * esize]
+        whole = (0, bucket.compute.numel())
+        allowed = set(bounds) | ({whole} if tied else set())
+        assert head_uploads and set(head_uploads) <= allowed, head_uploads
+        assert set(bounds) <= set(head_uploads)
+        head_commits = [w for index, w in commits if index == head]
+        assert set(head_commits) <= allowed and set(bounds) <= set(head_commits), head_commits
+        assert torch.isfinite(loss)
+        for name, p in engine.named_parameters():
+            assert_close(p.grad, ref_grads[name], f"grad of {name}")
     finally:
         engine.close()
 
