@@ -11,7 +11,7 @@ from test_planner import brute_force, random_costs
 
 from accelerate_roundpipe.plan.classic import compare_bubbles, split_head_plan
 from accelerate_roundpipe.plan.decoder_shapes import MODEL_SHAPES, decoder_layer_flops
-from accelerate_roundpipe.plan.head_split import plan_split_head, split_head_costs
+from accelerate_roundpipe.plan.head_split import measured_head_advice, plan_split_head, split_head_costs
 from accelerate_roundpipe.plan.layer_costs import LayerCosts
 from accelerate_roundpipe.plan.planner import plan_from_costs
 from accelerate_roundpipe.plan.ring_fill import fill_ring, simulated_makespan
@@ -20,6 +20,7 @@ from accelerate_roundpipe.plan.shape_costs import layer_costs_from_shape
 from accelerate_roundpipe.plan.simulate import simulate
 from accelerate_roundpipe.plan.simulate_cli import main as simulate_main
 from accelerate_roundpipe.plan.stage_cost_model import PlanSettings, StageCostModel
+from accelerate_roundpipe.runtime.measured_plan import MeasuredPlan
 
 GIB = 2**30
 
@@ -179,3 +180,40 @@ def test_a_budget_too_small_for_any_shard_count_names_the_layer():
     plan = plan_split_head(LayerCosts(forward_s=[1, 1, 4], backward_s=[2, 2, 8], param_bytes=[1, 5, 40]),
                            settings(2, 1, 60, 1000), max_head_shards=4)
     assert plan.num_head_shards >= 2 and plan.slowest_by_shards[0] == math.inf
+
+
+def _flop_costs(name: str) -> LayerCosts:
+    forward = decoder_layer_flops(MODEL_SHAPES[name], 4096)
+    return LayerCosts(forward_s=forward, backward_s=[2 * f for f in forward])
+
+
+def test_measured_costs_advise_the_shards_the_planner_picks():
+    costs = _flop_costs("qwen3-1.7b")
+    eight = settings(8, 16, math.inf, math.inf)
+    advice = measured_head_advice(costs, eight)
+    picked = plan_split_head(costs, eight).num_head_shards
+    assert picked > 1 and advice is not None
+    assert f"head_shards={picked}" in advice and "5.3 decoder layers" in advice
+    assert measured_head_advice(costs, settings(1, 16, math.inf, math.inf)) is None  # one device: nothing beside it
+    light = LayerCosts(forward_s=[1.0] * 9, backward_s=[2.0] * 9)  # a head like any layer: one layer is as good
+    assert measured_head_advice(light, eight) is None
+
+
+def test_the_measured_plan_logs_the_advice_for_a_head_that_can_be_cut(caplog):
+    class Head:
+        def __init__(self, problem):
+            self.problem = problem
+
+        def vocabulary_split_problem(self):
+            return self.problem
+
+    costs = _flop_costs("qwen3-1.7b")
+    for head, expected in ((Head(None), True), (Head("soft-capping"), False), (object(), False)):
+        plan = MeasuredPlan.__new__(MeasuredPlan)  # only what `_advise_head_split` reads
+        plan.store = type("Store", (), {"layers": [object(), head]})()
+        plan.head_advice = None
+        with caplog.at_level("WARNING", logger="accelerate_roundpipe.runtime.measured_plan"):
+            caplog.clear()
+            plan._advise_head_split(costs, settings(8, 16, math.inf, math.inf))
+        assert (plan.head_advice is not None) is expected
+        assert ("head_shards=" in caplog.text) is expected

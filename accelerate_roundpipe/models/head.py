@@ -134,6 +134,16 @@ class CausalLMHead(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
         self.router_aux_loss_coef = router_aux_loss_coef
 
+    def vocabulary_split_problem(self) -> str | None:
+        """Why this head cannot be cut into vocabulary shards ([Note: vocabulary shards] in `vocab_shards.py`), or
+        None when it can: the logits must be exactly `F.linear(normed, W, b)`."""
+        lm_head = self.lm._modules[self._lm_head_name] if self._lm_head_name is not None else None
+        if type(lm_head) is not nn.Linear:
+            return f"its lm_head is a {type(lm_head).__name__}, not a plain nn.Linear (LoRA or quantised heads)"
+        if not self._logits_are_plain:
+            return "its family transforms the logits after the lm_head (soft-capping, logit scales)"
+        return None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`model(...).logits` for the last decoder layer's output `hidden`."""
         return self._logits_of_normed(self._normed(hidden))

@@ -86,15 +86,11 @@ def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:
 def shard_head(head: CausalLMHead, num_shards: int) -> list[VocabShard]:
     """The K pipeline layers that replace `head` ([Note: vocabulary shards]). Raises ValueError naming what prevents
     the split and the knob to turn (`head_shards=1`)."""
-    lm_head = head.lm._modules[head._lm_head_name] if head._lm_head_name is not None else None
-    problem = None
-    if type(lm_head) is not nn.Linear:
-        problem = f"its lm_head is a {type(lm_head).__name__}, not a plain nn.Linear (LoRA or quantised heads)"
-    elif not head._logits_are_plain:
-        problem = "its family transforms the logits after the lm_head (soft-capping, logit scales)"
+    problem = head.vocabulary_split_problem()
     if problem is not None:
         raise ValueError(f"head_shards={num_shards}: the head of {type(head.lm).__name__} cannot be split into "
                          f"vocabulary shards: {problem}. Set head_shards=1 (env ROUNDPIPE_HEAD_SHARDS).")
+    lm_head = head.lm._modules[head._lm_head_name]
     # The final norm and every other part after the layers ([Note: parts around the decoder layers]).
     final_norm = head.lm.get_submodule(head._final_norm_path)
     bounds = shard_bounds(lm_head.out_features, num_shards)

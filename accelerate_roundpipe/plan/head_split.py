@@ -122,3 +122,29 @@ def head_shards_for(shape: DecoderShape, num_devices: int, num_microbatches: int
     settings = PlanSettings(num_devices=num_devices, num_microbatches=num_microbatches,
                             gpu_memory_bytes=math.inf, pcie_bytes_per_s=math.inf)
     return plan_split_head(costs, settings, max_head_shards).num_head_shards
+
+
+# The gain in the slowest stage below which a measured plan does not suggest splitting the head.
+ADVISE_MIN_GAIN = 0.05
+
+
+def measured_head_advice(costs: LayerCosts, settings: PlanSettings, max_head_shards: int = 16) -> str | None:
+    """What to tell a user whose head is one layer when its measured `costs` say vocabulary shards would pace the
+    ring better (several devices only): the shard count `plan_split_head` picks and the slowest stage with and
+    without it; None when one head layer is as good (within `ADVISE_MIN_GAIN`) or nothing fits.
+
+    The split is chosen when the model is wrapped (the layers are built then), so a measured choice can only be
+    advice for the next run: `head_shards=K`, or "auto" for the count from the model's FLOPs."""
+    if settings.num_devices < 2 or costs.num_layers < 2:
+        return None
+    try:
+        split = plan_split_head(costs, settings, max_head_shards)
+    except ValueError:
+        return None
+    whole, best = split.slowest_by_shards[0], split.slowest_by_shards[split.num_head_shards - 1]
+    if split.num_head_shards == 1 or not best < whole * (1 - ADVISE_MIN_GAIN):
+        return None
+    layer = max(costs.forward_s[:-1]) or 1e-30
+    return (f"the measured head costs {costs.forward_s[-1] / layer:.1f} decoder layers and, as one layer, paces the "
+            f"ring: head_shards={split.num_head_shards} (env ROUNDPIPE_HEAD_SHARDS) would make the slowest stage "
+            f"{whole * 1e3:.1f} -> {best * 1e3:.1f} ms")

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from ..config import RoundPipeConfig
+from ..plan.head_split import measured_head_advice
 from ..plan.layer_costs import LayerCosts
 from ..plan.one_device import plan_one_device
 from ..plan.partition import Partition
@@ -63,6 +64,7 @@ class MeasuredPlan:
         self.keep_limit_bytes = 0 if self.enabled else int((self.budget_bytes or 0) * SAVED_INPUT_SHARE)
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
+        self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
         self._measure_next = self.enabled
         self._measured: tuple[LayerProfile, list, int, int] | None = None
 
@@ -103,6 +105,18 @@ class MeasuredPlan:
         logger.info("RoundPipe re-planned from measured costs: %s (was %s).", planned.partition, current)
         return planned.partition
 
+    def _advise_head_split(self, costs: LayerCosts, settings: PlanSettings) -> None:
+        """Log the vocabulary shards the measured costs would choose for a head that is one layer and could be cut
+        (its `vocabulary_split_problem()` is None): the split is fixed once the model is wrapped."""
+        head = self.store.layers[-1]
+        problem = getattr(head, "vocabulary_split_problem", None)
+        if problem is None or problem() is not None:
+            return
+        advice = measured_head_advice(costs, settings)
+        if advice is not None:
+            logger.warning("RoundPipe: %s.", advice)
+            self.head_advice = advice
+
     def _plan(self, costs: LayerCosts, budget: float, num_mb: int, rows: int) -> tuple[PlannedPartition, int]:
         """The partition (and micro-batch count) for measured `costs` of `num_mb` micro-batches of a `rows`-row batch.
 
@@ -118,6 +132,7 @@ class MeasuredPlan:
                                 recompute=self.config.resolved_recompute)
 
         if len(self.devices) > 1:
+            self._advise_head_split(costs, settings_for(num_mb))
             return plan_from_costs(costs, settings_for(num_mb)), num_mb
         if self.config.num_microbatches is None:
             for count in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
