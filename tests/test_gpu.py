@@ -143,6 +143,28 @@ def test_cuda_trace_has_compute_and_copy_streams(tmp_path):
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
 
 
+def test_weight_waits_are_traced_inside_their_tasks(tmp_path):
+    """[Note: weight waits in the trace]: with the exact step the next pass's first layers wait for their weights;
+    each wait is a span of the device's weights-wait track, inside one of its compute spans."""
+    from accelerate_roundpipe.telemetry.report import load_task_spans, load_weight_waits, main
+
+    path = tmp_path / "trace.json"
+    engine = RoundPipe(tied_model().float(), RoundPipeConfig(devices=["cuda:0"], num_microbatches=2,
+                                                             trace_path=str(path)))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    for k in range(3):
+        x, mask, y = batch(rows=8, seed=k)
+        engine.forward_backward(x.float(), mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.close()
+    spans, waits = load_task_spans(str(path)), load_weight_waits(str(path))
+    assert waits and all(w.track == "d0(cuda:0) compute" for w in waits)
+    slack = 1e-4  # the clocks of the two event pairs are read apart
+    assert all(any(s.start - slack <= w.start and w.end <= s.end + slack for s in spans) for w in waits)
+    assert 0.0 <= main([str(path)])["waiting_for_weights"] < 1.0
+
+
 def test_host_memory_is_page_locked_at_its_exact_size_until_released():
     from accelerate_roundpipe.runtime.pinned import HostMemory
 

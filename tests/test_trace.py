@@ -115,6 +115,27 @@ def test_idle_between_passes_counts_only_the_gaps_before_a_pass(tmp_path):
     assert report["measured_bubble"] == 0.0 and report["idle_between_passes"] == 0.0 and report["tasks"] == 2
 
 
+def test_waiting_for_weights_is_the_share_of_waits_inside_the_window(tmp_path):
+    """[Note: weight waits in the trace]: one device, F then B (2 units each); waits of 0.5 and 1 unit inside them,
+    overlapping by 0.25, and one before the window: 1.25 of 4 units waited, and the bubble still says 0."""
+    from accelerate_roundpipe.telemetry.report import load_task_spans, load_weight_waits, main, waiting_for_weights
+
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "d0(cuda:0) compute"}},
+              {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "d0(cuda:0) weights wait"}}]
+    events += [{"ph": "X", "name": n, "pid": 0, "tid": 0, "ts": s * 1e6, "dur": 2e6}
+               for n, s in (("F0:L0-0:r0:m0-0@d0", 10.0), ("B0:L0-0:r0:m0-0@d0", 12.0))]
+    events += [{"ph": "X", "name": f"L{i}", "pid": 0, "tid": 1, "ts": s * 1e6, "dur": d * 1e6}
+               for i, (s, d) in enumerate(((9.0, 0.5), (10.0, 0.5), (10.25, 1.0)))]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans, waits = load_task_spans(str(path)), load_weight_waits(str(path))
+    assert len(spans) == 2 and len(waits) == 3
+    assert waiting_for_weights(spans, waits) == 1.25 / 4
+    report = main([str(path), "--png", str(tmp_path / "gantt.png")])
+    assert report["measured_bubble"] == 0.0 and report["waiting_for_weights"] == round(1.25 / 4, 4)
+    assert (tmp_path / "gantt.png").stat().st_size > 1000
+
+
 def _trained_engine(path, passes: int = 2):
     engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * 2, num_microbatches=4, trace_path=str(path)))
     optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))

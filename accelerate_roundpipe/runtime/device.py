@@ -224,6 +224,21 @@ class Device:
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
 
+    def weights_wait(self, layer_index: int):
+        """(begin, finish) callables bracketing, on the compute stream, the wait for a layer's parameters: its
+        version being written (the host waits) and its upload landing (the stream waits). Traced on CUDA as a span
+        of the `weights wait` track, which a compute span alone hides: the task's span covers its waits
+        ([Note: weight waits in the trace] in `telemetry/report.py`). No-ops when not tracing."""
+        if self.trace is None or not self.is_cuda:
+            return (lambda: None), (lambda: None)
+        start, end = self.trace.cuda_events(self.device, self.compute_stream)
+
+        def finish() -> None:
+            end.record(self.compute_stream)
+            self.trace.add_cuda_span(f"{self} weights wait", f"L{layer_index}", self.device, start, end)
+
+        return (lambda: start.record(self.compute_stream)), finish
+
     def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
         """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated
         memory passing `limit_bytes`."""

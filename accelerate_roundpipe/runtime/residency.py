@@ -16,6 +16,10 @@ from .layer_copy import LayerCopy
 from .sync import FailureFlag
 
 
+def _nothing() -> None:
+    pass
+
+
 class TaskParams:
     """Parameters of one task on the device.
 
@@ -196,12 +200,16 @@ class ParamResidency:
         if not params.pending and not params.unissued:
             return
         needed = self.store.layer_buckets[layer_index]
+        waits = any(b in params.pending for b in needed) or any(b in needed for b, _ in params.unissued)
+        begin, finish = self.device.weights_wait(layer_index) if waits else (_nothing, _nothing)
+        begin()
         if params.unissued:
             self._issue(params, need={b for b, _ in params.unissued if b in needed})
         for bucket_index in needed:
             if bucket_index in params.pending:
                 params.pending.discard(bucket_index)
                 self.device.use_params([params.flats[bucket_index]], params.events[bucket_index])
+        finish()
 
     def unbind(self) -> None:
         """Unbind the running task's layer copies (once: before its last commit, else when it ends)."""
