@@ -509,7 +509,7 @@ class RoundPipe(nn.Module):
             if tensor.shape != bucket.compute.shape:
                 raise ValueError(f"lagged weights of {bucket} have shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(bucket.compute.shape)}: the checkpoint is of another model.")
-            self._store.keep_stash(bucket, tensor.to(bucket.compute.dtype))
+            bucket.stash = tensor.to(bucket.compute.dtype).clone()
             buckets.append(bucket)
         self.optimizer.hold_shown(buckets)
 

@@ -23,7 +23,6 @@ bucket's gradient (`Bucket.commit`).
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +33,6 @@ from . import host_budget
 from .grad_buffers import GradBufferPool
 from .pinned import HostMemory
 from .sync import ReadWriteOrder, Sequencer
-
-logger = logging.getLogger(__name__)
 
 ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
 PROGRESS_MIN_PARAMS = 200_000_000  # models this large show a progress bar while the host store is built
@@ -274,9 +271,6 @@ class HostStore:
         self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
         self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
         self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
-        # Stashes of the compute copies after a look, recycled at their exact size like the gradient buffers, and
-        # pinned like them: the next training pass uploads from its stash ([Note: looking changes nothing]).
-        self.stash_pool = GradBufferPool(self.memory)
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
         params: dict[int, nn.Parameter] = {}
         for layer_index, layer in enumerate(layers):
@@ -374,26 +368,6 @@ class HostStore:
                 start, stop = self.window(layers, bucket_index)
                 total += (stop - start) * bucket.compute.element_size()
         return total
-
-    def keep_stash(self, bucket: Bucket, source: torch.Tensor | None = None) -> None:
-        """Set aside `source` (default: the compute copy) as `bucket.stash`, the version the next training pass
-        reads ([Note: looking changes nothing]), in a page-locked buffer from the pool: a pageable stash made that
-        pass's uploads synchronous host copies."""
-        try:
-            stash = self.stash_pool.take(bucket.compute)
-        except RuntimeError as error:  # page-locking failed: a pageable stash is correct, its uploads only stall
-            logger.warning("RoundPipe keeps the weights a look set aside in pageable memory: %s", error)
-            stash = torch.empty_like(bucket.compute)
-        stash.copy_(bucket.compute if source is None else source)
-        self.drop_stash(bucket)
-        bucket.stash = stash
-
-    def drop_stash(self, bucket: Bucket) -> None:
-        """Forget `bucket.stash` (read by the pass it was kept for, or overwritten by a load), its buffer back to the
-        pool. Call it where no upload can still be reading the stash (in the bucket's write turn)."""
-        if bucket.stash is not None:
-            self.stash_pool.give(bucket.stash)
-            bucket.stash = None
 
     def buckets_of_layers(self, layers: range) -> list[int]:
         used: set[int] = set()

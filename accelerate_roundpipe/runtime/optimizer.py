@@ -232,7 +232,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 bucket.compute.copy_(bucket.optim)
             bucket.steps.compute = bucket.steps.optim
             bucket.current_in_optim = False
-            self.store.drop_stash(bucket)  # the pass that read it has read it ([Note: looking changes nothing])
+            bucket.stash = None  # the pass that read it has read it ([Note: looking changes nothing])
         finally:
             bucket.reads.end_write(ticket)
 
@@ -379,15 +379,14 @@ class LaggedOptimizer(torch.optim.Optimizer):
         older version aside (`bucket.stash`, which the next training pass's uploads read) and writes the newest
         weights into the compute copy; the held write-back, released by the next training pass as before, drops
         the stash. The caller makes sure nothing is reading the compute copies (no pass in flight). The stash costs
-        one compute-sized page-locked host buffer per held bucket, recycled once the next training pass has read it
-        (`HostStore.keep_stash`)."""
+        one compute-sized host buffer per held bucket until the next training pass."""
         if not self.has_held_steps:
             return
         self.thread.wait_idle()  # the held buckets' lagged steps are done: their optimizer copies are the newest
         with torch.no_grad():
             for bucket in self._held_writebacks:
                 if bucket.stash is None:  # else this step is shown already
-                    self.store.keep_stash(bucket)
+                    bucket.stash = bucket.compute.clone()
                     bucket.compute.copy_(bucket.optim)
                     bucket.steps.compute = bucket.steps.optim
 
@@ -406,7 +405,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
     def forget_stashes(self) -> None:
         """The compute copies were loaded from outside: the next pass reads them, not a stash."""
         for bucket in self._held_writebacks:
-            self.store.drop_stash(bucket)
+            bucket.stash = None
 
     def synchronize(self) -> None:
         """Wait for every step and show the newest weights in the compute copies; the engine waits for the passes
