@@ -75,6 +75,14 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
     inner_path, inner = _descend_to_layers(model, causal_lm, inner_name)
     if "inputs_embeds" not in inspect.signature(inner.forward).parameters:
         raise UnsupportedModelError(model, f"the inner model {type(inner).__name__} does not accept `inputs_embeds`")
+    if "per_layer_inputs" in inspect.signature(inner.forward).parameters and getattr(
+            getattr(inner, "config", config), "hidden_size_per_layer_input", 0):
+        # Gemma 3n / Gemma 4 per-layer embeddings: a layer's captured arguments would have to be rebuilt from the
+        # token ids, which only the first pipeline layer sees (HF would reverse the input embedding to find them).
+        raise UnsupportedModelError(
+            model, f"{type(inner).__name__}'s decoder layers read per-layer input embeddings computed from the token "
+            "ids (config.hidden_size_per_layer_input), which the split does not carry between pipeline layers yet",
+        )
 
     embed = causal_lm.get_input_embeddings() if hasattr(causal_lm, "get_input_embeddings") else None
     embed_name = _child_name(inner, embed) if embed is not None else None

@@ -123,3 +123,21 @@ def test_an_unverified_family_is_split_with_a_warning(caplog):
     with caplog.at_level("WARNING"):
         refuse_if_not_matching(type("Llama", (), {"config": type("C", (), {"model_type": "llama"})})())
     assert caplog.text == ""
+
+
+def test_per_layer_input_embeddings_are_refused_with_the_reason():
+    """Gemma 4 with per-layer input embeddings (the catalog checks it without them): refused at split time, saying
+    why, instead of failing inside its first forward (HF would reverse the input embedding, which a decoder layer's
+    pipeline layer does not hold)."""
+    from accelerate_roundpipe.models import UnsupportedModelError, split_causal_lm
+
+    if "gemma4_text" not in decoder_catalog.candidates():
+        pytest.skip("this transformers has no Gemma 4")
+    overrides = decoder_catalog.OVERRIDES["gemma4_text"]
+    decoder_catalog.OVERRIDES["gemma4_text"] = {**overrides, "hidden_size_per_layer_input": 16}
+    try:
+        model = decoder_catalog.tiny_model("gemma4_text")
+    finally:
+        decoder_catalog.OVERRIDES["gemma4_text"] = overrides
+    with pytest.raises(UnsupportedModelError, match="per-layer input embeddings computed from the token ids"):
+        split_causal_lm(model)
