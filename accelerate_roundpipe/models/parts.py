@@ -189,9 +189,34 @@ def _parts_around_layers(
         )
     before = tuple(_unique(call for call in calls[:first] if call != embed_name))
     after = tuple(_unique(calls[last + 1 :]))
+    after = _with_parameter_free_parts_after(inner, layers_name, parts, after)
     if embed_name in after:
         raise UnsupportedModelError(model, f"{type(inner).__name__} uses its input embedding after its decoder layers")
     return before, after
+
+
+def _with_parameter_free_parts_after(inner: nn.Module, layers_name: str, parts: list[str],
+                                     after: tuple[str, ...]) -> tuple[str, ...]:
+    """`after` (the parameterised parts run after the decoder layers) with the parameter-free children run there too,
+    in call order: a final norm without weights (OLMo's LayerNorm) is part of the head like any other. Found by a
+    second probe that records every child; if it fails or orders the parameterised parts otherwise, `after` stays
+    as it is (a parameter-free part the head then does not apply would make the logits differ from HF's, which the
+    parity tests check)."""
+    free = [name for name, child in inner.named_children()
+            if name != layers_name and name not in parts and not _has_parameters(child)]
+    if not free:
+        return after
+    try:
+        calls = probe_part_order(inner, layers_name, [*parts, *free])
+    except ProbeFailed:
+        return after
+    layer_calls = [index for index, call in enumerate(calls) if call.startswith("layer ")]
+    if not layer_calls:
+        return after
+    found = tuple(_unique(calls[layer_calls[-1] + 1:]))
+    if tuple(name for name in found if name in parts) != after:
+        return after
+    return found
 
 
 def _unique(names) -> list[str]:

@@ -161,7 +161,11 @@ def _inner_shell(parts: DecoderParts, stubs: list, keep_embed: bool) -> nn.Modul
     else:
         plain[parts.embed_name] = UnusedPart(parts.embed_name)
         plain.update({name: ShapeOnlyPart(name, parts.inner._modules[name]) for name in parts.before})
-    plain.update({name: UnusedPart(name) for name in parts.after})
+    # A parameter-free part after the layers may run before them too (nanochat's one weightless norm): the shells
+    # keep it as it is, it holds nothing.
+    free_after = [name for name in parts.after if next(parts.inner._modules[name].parameters(), None) is None]
+    children.update({name: parts.inner._modules[name] for name in free_after})
+    plain.update({name: UnusedPart(name) for name in parts.after if name not in free_after})
     return make_shell(parts.inner, children, plain)
 
 

@@ -7,7 +7,9 @@ projection) or after the last one (the final norm, OPT's output projection). Whi
 own forward by `probe_part_order`: a shell with stub decoder layers (see [Note: shells]) runs once on a two-token
 input and records the order of the calls. The parts before the layers go to the first pipeline layer, those after
 them to the head (applied in the order they were called); a parameterised part used between decoder layers, or never
-used, is refused.
+used, is refused. Parameter-free children run after the last layer go to the head as well (OLMo's final LayerNorm
+has no weights; left out, the head skipped it and the logits were 0.98 relative off HF's): a second probe records
+every child, and the shells keep such a part where it also runs before the layers (nanochat's one norm).
 
 A decoder layer's shell still runs the model's code up to its layer, and that code calls the parts before the
 layers (`hidden = inputs_embeds + self.wpe(position_ids)`). There they are `ShapeOnlyPart`s: the part is run on the

@@ -330,10 +330,10 @@ EXPECTED: dict[str, str] = {
     'musicgen': "unchecked: no tiny model (AttributeError: 'MusicgenConfig' object has no attribute 'dropout')",
     'musicgen_melody': "unchecked: no tiny model (AttributeError: 'MusicgenMelodyConfig' object has no attribute 'dropout')",  # noqa: E501
     'mvp': 'supported',
-    'nanochat': "refused: model_type 'nanochat' is not supported yet",
+    "nanochat": "supported",
     'nemotron': 'supported',
     'nemotron_h': "unchecked: the tiny config leaves parts full size (a sub-model's config)",
-    'olmo': "refused: model_type 'olmo' is not supported yet",
+    "olmo": "supported",
     'olmo2': 'supported',
     'olmo3': 'supported',
     'olmo_hybrid': 'supported',
