@@ -1,5 +1,5 @@
-"""TRL on RoundPipe: the fused LM head's per-token fields, `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer` and an
-unedited TRL script under the launcher, each against the plain TRL run (tiny float64 Llama, two CPU workers).
+"""TRL on RoundPipe: the fused LM head's per-token fields, `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`,
+`RoundPipeKTOTrainer` and an unedited TRL script under the launcher, each against the plain TRL run (tiny float64 Llama, two CPU workers).
 
 TRL's own fused head accumulates in float32 whatever the model's dtype, so the trainer comparisons are at float32
 tolerance; the per-token fields and their gradients are also checked against plain float64 PyTorch, tightly."""
@@ -313,6 +313,39 @@ def test_peft_policy_without_reference_gives_the_plain_dpo_run(trl, tokenizer, r
     ours = peft_run(RoundPipeDPOTrainer, tmp_path / "rp")
     assert_logs_close(logged(ours, DPO_LOGGED), logged(plain, DPO_LOGGED), "PEFT DPO losses, logps, rewards")
     assert any(abs(entry[1]) > 1e-6 for entry in logged(ours, ("rewards/chosen", "rewards/margins"))[1:])
+
+
+# ---------------------------------------------------------------------- KTO
+
+KTO_LOGGED = ("loss", "grad_norm", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/margins")
+
+
+def kto_run(trainer_class, trl, tokenizer, output_dir):
+    from datasets import Dataset
+
+    rows = []
+    for index, text in enumerate(texts()):  # unpaired: each completion desirable or not
+        words = text.split()
+        rows.append(dict(prompt=" ".join(words[:6]), completion=" " + " ".join(words[6:12]), label=bool(index % 2)))
+    model = tiny_model(tokenizer)
+    args = trl.KTOConfig(**common_args(output_dir), max_length=48)
+    trainer = trainer_class(model=model, ref_model=copy.deepcopy(model), args=args,
+                            train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+def test_roundpipe_kto_trainer_gives_the_plain_kto_run(trl, tokenizer, roundpipe_env, tmp_path):
+    """`RoundPipeKTOTrainer` with a reference model: the losses, gradient norms, KL estimate, log-probabilities
+    and rewards (which carry the reference's log-probabilities) of the plain run."""
+    from accelerate_roundpipe.integrations.convert import engine_of
+    from accelerate_roundpipe.integrations.trl import RoundPipeKTOTrainer
+
+    plain = kto_run(trl.KTOTrainer, trl, tokenizer, tmp_path / "plain")
+    ours = kto_run(RoundPipeKTOTrainer, trl, tokenizer, tmp_path / "rp")
+    assert_logs_close(logged(ours, KTO_LOGGED), logged(plain, KTO_LOGGED), "KTO losses, KL, logps, rewards")
+    assert any(abs(entry[1]) > 1e-4 for entry in logged(ours, ("rewards/chosen", "rewards/margins"))[1:])
+    assert engine_of(ours.ref_model) is not None and engine_of(ours.ref_model) is not ours.roundpipe_engine
 
 
 # ---------------------------------------------------------------------- without TRL
