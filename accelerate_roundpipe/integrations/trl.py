@@ -12,9 +12,9 @@ What makes TRL work on the engine:
 - TRL's loss needs per-token log-probabilities, which it asks for with `model(..., fused_lm_head=True)`; the
   RoundPipe model answers that call from the pipeline's head ([Note: per-token fields] in `models/token_fields.py`),
   and TRL's loss, computed on the host from them, back-propagates through the backward pipeline;
-- a DPO or KTO reference model is put on RoundPipe too, frozen (`RoundPipeTrainer._is_auxiliary_model`): its weights stay in
-  host memory as compute copies only, with no optimizer copy or gradient buffer, and stream to the same devices as
-  the policy's, so a reference as large as the policy needs no GPU memory of its own;
+- a DPO or KTO reference model is put on RoundPipe too, frozen (`RoundPipeTrainer._is_auxiliary_model`): its
+  weights stay in host memory as compute copies only, with no optimizer copy or gradient buffer, and stream to the
+  same devices as the policy's, so a reference as large as the policy needs no GPU memory of its own;
 - a PEFT policy without a reference model works as in TRL: the reference log-probabilities come with the adapters
   disabled, a switch the devices' layer copies follow ([Note: adapter switches] in `runtime/adapter_switches.py`).
 

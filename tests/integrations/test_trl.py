@@ -1,8 +1,8 @@
 """TRL on RoundPipe: the fused LM head's per-token fields, `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`,
-`RoundPipeKTOTrainer` and an unedited TRL script under the launcher, each against the plain TRL run (tiny float64 Llama, two CPU workers).
-
-TRL's own fused head accumulates in float32 whatever the model's dtype, so the trainer comparisons are at float32
-tolerance; the per-token fields and their gradients are also checked against plain float64 PyTorch, tightly."""
+`RoundPipeKTOTrainer` and an unedited TRL script under the launcher, each against the plain TRL run (tiny float64
+Llama, two CPU workers). TRL's own fused head accumulates in float32 whatever the model's dtype, so the trainer
+comparisons are at float32 tolerance; the per-token fields and their gradients are also checked against plain
+float64 PyTorch, tightly."""
 
 from __future__ import annotations
 
