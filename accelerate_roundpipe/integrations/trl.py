@@ -1,5 +1,5 @@
-"""TRL's `SFTTrainer`, `DPOTrainer` and `KTOTrainer` on RoundPipe: `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`,
-`RoundPipeKTOTrainer`.
+"""TRL's `SFTTrainer`, `DPOTrainer`, `KTOTrainer` and `GRPOTrainer` on RoundPipe: `RoundPipeSFTTrainer`,
+`RoundPipeDPOTrainer`, `RoundPipeKTOTrainer`, `RoundPipeGRPOTrainer`.
 
     from accelerate_roundpipe.integrations.trl import RoundPipeSFTTrainer   # same arguments as trl.SFTTrainer
     trainer = RoundPipeSFTTrainer(model=model, args=SFTConfig(...), train_dataset=..., processing_class=tokenizer)
@@ -15,6 +15,8 @@ What makes TRL work on the engine:
 - a DPO or KTO reference model is put on RoundPipe too, frozen (`RoundPipeTrainer._is_auxiliary_model`): its
   weights stay in host memory as compute copies only, with no optimizer copy or gradient buffer, and stream to the
   same devices as the policy's, so a reference as large as the policy needs no GPU memory of its own;
+- GRPO's completions come from `model.generate`, which runs through the pipeline without a KV cache (each new token
+  recomputes the whole sequence, every layer's weights streamed again): exact, and slow for long completions;
 - a PEFT policy without a reference model works as in TRL: the reference log-probabilities come with the adapters
   disabled, a switch the devices' layer copies follow ([Note: adapter switches] in `runtime/adapter_switches.py`).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import functools
 
 _TRL_TRAINERS = {"RoundPipeSFTTrainer": "SFTTrainer", "RoundPipeDPOTrainer": "DPOTrainer",
-                 "RoundPipeKTOTrainer": "KTOTrainer"}
+                 "RoundPipeKTOTrainer": "KTOTrainer", "RoundPipeGRPOTrainer": "GRPOTrainer"}
 __all__ = list(_TRL_TRAINERS)
 
 

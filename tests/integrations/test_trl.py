@@ -1,8 +1,8 @@
 """TRL on RoundPipe: the fused LM head's per-token fields, `RoundPipeSFTTrainer`, `RoundPipeDPOTrainer`,
-`RoundPipeKTOTrainer` and an unedited TRL script under the launcher, each against the plain TRL run (tiny float64
-Llama, two CPU workers). TRL's own fused head accumulates in float32 whatever the model's dtype, so the trainer
-comparisons are at float32 tolerance; the per-token fields and their gradients are also checked against plain
-float64 PyTorch, tightly."""
+`RoundPipeKTOTrainer`, `RoundPipeGRPOTrainer` and an unedited TRL script under the launcher, each against the plain
+TRL run (tiny float64 Llama, two CPU workers). TRL's own fused head accumulates in float32 whatever the model's
+dtype, so the trainer comparisons are at float32 tolerance; the per-token fields and their gradients are also
+checked against plain float64 PyTorch, tightly."""
 
 from __future__ import annotations
 
@@ -346,6 +346,40 @@ def test_roundpipe_kto_trainer_gives_the_plain_kto_run(trl, tokenizer, roundpipe
     assert_logs_close(logged(ours, KTO_LOGGED), logged(plain, KTO_LOGGED), "KTO losses, KL, logps, rewards")
     assert any(abs(entry[1]) > 1e-4 for entry in logged(ours, ("rewards/chosen", "rewards/margins"))[1:])
     assert engine_of(ours.ref_model) is not None and engine_of(ours.ref_model) is not ours.roundpipe_engine
+
+
+# ---------------------------------------------------------------------- GRPO
+
+GRPO_LOGGED = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", "entropy")
+
+
+def grpo_run(trainer_class, trl, tokenizer, output_dir):
+    from datasets import Dataset
+
+    def reward_length(completions, **kwargs):  # nearer 8 words is better
+        return [-abs(8 - len(completion.split())) / 8.0 for completion in completions]
+
+    torch.manual_seed(0)
+    model = tiny_model(tokenizer)
+    args = trl.GRPOConfig(**common_args(output_dir), num_generations=4, generation_batch_size=4,
+                          max_completion_length=8, temperature=1.0, beta=0.0)
+    prompts = Dataset.from_list([dict(prompt=" ".join(text.split()[:6])) for text in texts(8)])
+    trainer = trainer_class(model=model, reward_funcs=reward_length, args=args, train_dataset=prompts,
+                            processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+def test_roundpipe_grpo_trainer_gives_the_plain_grpo_run(trl, tokenizer, roundpipe_env, tmp_path):
+    """`RoundPipeGRPOTrainer`: the completions are sampled through the pipeline (`generate` on the engine), so with
+    the same seed they are the plain run's, and so are the rewards, losses and gradient norms."""
+    from accelerate_roundpipe.integrations.trl import RoundPipeGRPOTrainer
+
+    plain = grpo_run(trl.GRPOTrainer, trl, tokenizer, tmp_path / "plain")
+    ours = grpo_run(RoundPipeGRPOTrainer, trl, tokenizer, tmp_path / "rp")
+    assert_logs_close(logged(ours, GRPO_LOGGED), logged(plain, GRPO_LOGGED), "GRPO rewards, losses, grad norms")
+    assert any(entry[1] > 0 for entry in logged(ours, GRPO_LOGGED))  # a step with a gradient: the policy trained
+    assert ours.roundpipe_engine is not None
 
 
 # ---------------------------------------------------------------------- without TRL
