@@ -64,7 +64,8 @@ def test_named_families_on_the_engine(model_type):
         engine.synchronize()
         decoder_catalog.assert_close(loss, expected_loss.detach(), "loss")
         decoder_catalog.assert_same_gradients(
-            engine.named_parameters(), reference, float32_norms=model_type in decoder_catalog.FLOAT32_NORMS
+            engine.named_parameters(), reference,
+            float32_parts=decoder_catalog.FLOAT32_PARAMETERS.get(model_type, ())
         )
         model.eval()
         with torch.no_grad():
