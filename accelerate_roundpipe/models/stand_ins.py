@@ -16,7 +16,9 @@ layers (`hidden = inputs_embeds + self.wpe(position_ids)`). There they are `Shap
 meta device and zeros of its output's shape and dtype are returned. That is exact because the shell's hidden state
 is thrown away (the real one, from the previous pipeline layer, takes its place), so only the shapes matter; it
 holds as long as the parts before the layers feed only the hidden state, not the other arguments of a decoder layer
-(the parity tests over every supported family in `tests/models/test_decoder_catalog.py` check it).
+(the parity tests over every supported family in `tests/models/test_decoder_catalog.py` check it). A stand-in also
+shows the part's own attributes as its meta copy has them, for forwards that read them before the call (Llama 4
+reads `embed_tokens.weight.device`); inputs moved to the meta device that way give zeros on the CPU.
 """
 
 from __future__ import annotations
@@ -51,8 +53,15 @@ class ShapeOnlyPart:
         self.name = name
         self.meta_module = meta_copy(module)
 
+    def __getattr__(self, name: str):
+        """The part's own attributes (its `weight`, say) as the meta copy has them: some forwards read them before
+        calling the part (Llama 4: `self.embed_tokens(input_ids.to(self.embed_tokens.weight.device))`)."""
+        if name == "meta_module" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.meta_module, name)
+
     def __call__(self, *args, **kwargs):
-        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and not v.is_meta]
         device = tensors[0].device if tensors else torch.device("cpu")
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         with torch.no_grad():

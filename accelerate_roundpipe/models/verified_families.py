@@ -77,6 +77,7 @@ VERIFIED_MODEL_TYPES: frozenset[str] = frozenset({
     "lfm2",
     "lfm3",
     "llama",
+    "llama4_text",
     "marian",
     "mbart",
     "mellum",
