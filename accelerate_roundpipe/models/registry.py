@@ -51,11 +51,8 @@ _FAMILIES: dict[str, FamilySpec] = {
 # (tests/models/test_decoder_catalog.py), does not give HF's loss, logits or gradients, or crashes. Refused with
 # what was measured, so a user never trains one silently wrong; each leaves this list with a fix and its parity test.
 NOT_MATCHING_HF: dict[str, str] = {
-    "beam": "its loss differs from HF's by 9e-8 relative in float64",
     "deepseek_v4": "its attention crashes on the split's inputs (a tensor of 5 dimensions expanded as 4)",
     "dory": "its logits differ from HF's (0.65 relative)",
-    "falcon_mamba": "its loss differs from HF's by 6.5e-10 relative in float64 (the check's bound is 1e-10)",
-    "mamba": "its loss differs from HF's by 4e-10 relative in float64 (the check's bound is 1e-10)",
     "openai-gpt": "splitting it crashes (StopIteration)",
     "xglm": "its forward overflows on the split's inputs",
 }
