@@ -82,6 +82,13 @@ def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=dtype, device=flat.device)
 
 
+
+def _nothing() -> None:
+    pass
+
+
+NO_SPAN = (_nothing, _nothing)  # the (begin, finish) of a span that is not recorded
+
 class Payload:
     """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
     worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
@@ -142,13 +149,17 @@ class Device:
     def _traced(self, stream, track: str, tensors):
         """(start, finish) callables bracketing a copy on `stream` with trace events (no-ops when not tracing)."""
         if self.trace is None:
-            return (lambda: None), (lambda: None)
-        start, end = self.trace.cuda_events(self.device, stream)
+            return NO_SPAN
         size = sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
+        return self._span(stream, track, f"{size:.1f} MiB")
+
+    def _span(self, stream, track: str, name: str):
+        """(start, finish) callables recording a span of `stream`'s work named `name` on this device's `track`."""
+        start, end = self.trace.cuda_events(self.device, stream)
 
         def finish() -> None:
             end.record(stream)
-            self.trace.add_cuda_span(f"{self} {track}", f"{size:.1f} MiB", self.device, start, end)
+            self.trace.add_cuda_span(f"{self} {track}", name, self.device, start, end)
 
         return (lambda: start.record(stream)), finish
 
@@ -224,20 +235,18 @@ class Device:
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
 
+    @property
+    def traces_weight_waits(self) -> bool:
+        return self.trace is not None and self.is_cuda
+
     def weights_wait(self, layer_index: int):
         """(begin, finish) callables bracketing, on the compute stream, the wait for a layer's parameters: its
         version being written (the host waits) and its upload landing (the stream waits). Traced on CUDA as a span
         of the `weights wait` track, which a compute span alone hides: the task's span covers its waits
         ([Note: weight waits in the trace] in `telemetry/report.py`). No-ops when not tracing."""
-        if self.trace is None or not self.is_cuda:
-            return (lambda: None), (lambda: None)
-        start, end = self.trace.cuda_events(self.device, self.compute_stream)
-
-        def finish() -> None:
-            end.record(self.compute_stream)
-            self.trace.add_cuda_span(f"{self} weights wait", f"L{layer_index}", self.device, start, end)
-
-        return (lambda: start.record(self.compute_stream)), finish
+        if not self.traces_weight_waits:
+            return NO_SPAN
+        return self._span(self.compute_stream, "weights wait", f"L{layer_index}")
 
     def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
         """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated

@@ -306,6 +306,7 @@ class HostStore:
 
         self.layer_bindings: list[list[Binding]] = []
         self.layer_buckets: list[list[int]] = []
+        self._windows: dict[tuple[int, int, int], tuple[int, int]] = {}  # (span, bucket) -> window
         for layer in layers:
             rows = layer.parameter_rows() if hasattr(layer, "parameter_rows") else {}
             bindings, used = [], []
@@ -353,11 +354,18 @@ class HostStore:
 
     def window(self, layers: range, bucket_index: int) -> tuple[int, int]:
         """The elements [start, stop) of bucket `bucket_index` that the layers `layers` read: the whole bucket unless
-        every use is a row window, then the smallest range covering them ([Note: row windows])."""
-        windows = [b.window for layer in layers for b in self.layer_bindings[layer] if b.bucket_index == bucket_index]
-        if not windows or any(w is None for w in windows):
-            return 0, self.buckets[bucket_index].compute.numel()
-        return min(w[0] for w in windows), max(w[1] for w in windows)
+        every use is a row window, then the smallest range covering them ([Note: row windows]). Asked for every
+        bucket of every task, so kept per span (the bindings never change)."""
+        key = (layers.start, layers.stop, bucket_index)
+        window = self._windows.get(key)
+        if window is None:
+            uses = [b.window for layer in layers for b in self.layer_bindings[layer] if b.bucket_index == bucket_index]
+            if not uses or any(w is None for w in uses):
+                window = (0, self.buckets[bucket_index].compute.numel())
+            else:
+                window = (min(w[0] for w in uses), max(w[1] for w in uses))
+            self._windows[key] = window
+        return window
 
     def window_bytes(self, layers: range, trainable_only: bool = False) -> int:
         """Bytes of the compute copies the layers `layers` read, their row windows only ([Note: row windows])."""

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .device import Device
+from .device import NO_SPAN, Device
 from .host_store import Binding, HostStore
 from .jobs import TaskJob
 from .layer_copy import LayerCopy
 from .sync import FailureFlag
-
-
-def _nothing() -> None:
-    pass
 
 
 class TaskParams:
@@ -200,8 +196,9 @@ class ParamResidency:
         if not params.pending and not params.unissued:
             return
         needed = self.store.layer_buckets[layer_index]
-        waits = any(b in params.pending for b in needed) or any(b in needed for b, _ in params.unissued)
-        begin, finish = self.device.weights_wait(layer_index) if waits else (_nothing, _nothing)
+        waits = self.device.traces_weight_waits and (
+            any(b in params.pending for b in needed) or any(b in needed for b, _ in params.unissued))
+        begin, finish = self.device.weights_wait(layer_index) if waits else NO_SPAN
         begin()
         if params.unissued:
             self._issue(params, need={b for b, _ in params.unissued if b in needed})
