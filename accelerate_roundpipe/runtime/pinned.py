@@ -1,4 +1,4 @@
-"""Page-locked host memory at its exact size.
+"""Page-locked host memory at its exact size, unlocked when closed or collected.
 
 [Note: exact-size pinned memory]
 `torch.empty(..., pin_memory=True)` goes through torch's caching host allocator, which rounds every block up to a
@@ -7,40 +7,99 @@ model's compute copy, gradients and their spares that is 10-15 GiB of locked RAM
 host peak 107.6 GiB on a 125 GiB machine). Here ordinary memory is allocated at the exact size and page-locked in
 place (`cudaHostRegister`); copies to and from it are asynchronous like any pinned memory.
 
-`release()` (at `engine.close()`) unlocks everything after the device has finished with it; the tensors stay valid
-as ordinary memory (your module's parameters still view the compute copy).
+[Note: unlock before free]
+A locked range must be unlocked before its memory is freed. Freed while registered, the allocator hands the same
+addresses out again (a large block is unmapped and the next large one mapped where it was), and the next
+`cudaHostRegister` over them fails with "part or all of the requested memory range is already mapped": the third
+`RoundPipeTrainer` in a notebook or a sweep failed so, once the first engines had been collected without `close()`
+(a Trainer leaves its engine open: the model is evaluated and saved after `train()`). So the locked buffers are
+held by a finalizer of the `HostMemory`, not by the object: `release()` (at `engine.close()`) or the collection of
+the `HostMemory` (with its engine) unlocks them after the devices are done with them, and only then can their memory
+be freed. The tensors stay valid as ordinary memory (your module's parameters still view the compute copy).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+_NEVER_FREED: list[torch.Tensor] = []  # buffers that could not be unlocked: freeing them would leak the lock
+
+
+class CudaHostLocks:
+    """Page-locks memory in place with the CUDA runtime."""
+
+    def lock(self, buffer: torch.Tensor) -> None:
+        nbytes = buffer.numel() * buffer.element_size()
+        status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        try:
+            torch.cuda.check_error(status)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"could not page-lock {nbytes / 2**30:.2f} GiB of host memory ({error}); free host memory, or set "
+                f"RoundPipeConfig(pin_memory=False) (env ROUNDPIPE_PIN_MEMORY=0; host-device copies then stall "
+                f"the pipeline)") from error
+
+    def unlock(self, buffers: list[torch.Tensor]) -> bool:
+        """Unlock `buffers` once no copy can still read or write them; False (and still locked) if the devices
+        cannot be synchronized."""
+        try:
+            for device in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(device)
+        except RuntimeError as error:  # a device in an error state: keep the lock rather than risk a live copy
+            logger.warning("RoundPipe left %.2f GiB of host memory page-locked: the device could not be synchronized "
+                           "(%s)", sum(t.numel() * t.element_size() for t in buffers) / 2**30, error)
+            return False
+        for buffer in buffers:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        return True
+
+
+class _LockedBuffers:
+    """What a `HostMemory` locked, owned apart from it so that its finalizer can unlock them ([Note: unlock before
+    free]). Every change goes through the lock: the engine's threads allocate gradient buffers."""
+
+    def __init__(self, locks) -> None:
+        self.locks = locks
+        self.buffers: list[torch.Tensor] = []  # kept alive until unlocked: freeing locked memory leaks the lock
+        self.mutex = threading.Lock()
+
+    def add(self, buffer: torch.Tensor) -> None:
+        with self.mutex:
+            self.buffers.append(buffer)
+
+    @property
+    def nbytes(self) -> int:
+        with self.mutex:
+            return sum(t.numel() * t.element_size() for t in self.buffers)
+
+    def unlock_all(self) -> None:
+        with self.mutex:
+            buffers, self.buffers = self.buffers, []
+        if buffers and not self.locks.unlock(buffers):
+            _NEVER_FREED.extend(buffers)
+
 
 class HostMemory:
-    def __init__(self, pinned: bool) -> None:
+    """Host buffers at their exact size, page-locked when `pinned` ([Note: exact-size pinned memory])."""
+
+    def __init__(self, pinned: bool, locks=None) -> None:
         self.pinned = pinned
-        self._locked: list[torch.Tensor] = []  # kept alive until unlocked: freeing locked memory would leak the lock
-        self._lock = threading.Lock()
+        self._locked = _LockedBuffers(locks if locks is not None else CudaHostLocks())
+        # Collected without release(): unlock before the buffers' memory can be freed ([Note: unlock before free]).
+        self._finalizer = weakref.finalize(self, self._locked.unlock_all)
+        self._finalizer.atexit = False  # at exit the process's memory goes with it; CUDA may be torn down already
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(numel, dtype=dtype)
         if self.pinned and numel:
-            nbytes = numel * buffer.element_size()
-            status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-            try:
-                torch.cuda.check_error(status)
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"could not page-lock {nbytes / 2**30:.2f} GiB of host memory ({error}); free host memory, or set "
-                    f"RoundPipeConfig(pin_memory=False) (env ROUNDPIPE_PIN_MEMORY=0; host-device copies then stall "
-                    f"the pipeline)") from error
-            with self._lock:
-                self._locked.append(buffer)
+            self._locked.locks.lock(buffer)
+            self._locked.add(buffer)
         return buffer
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,21 +107,8 @@ class HostMemory:
 
     @property
     def locked_bytes(self) -> int:
-        with self._lock:
-            return sum(t.numel() * t.element_size() for t in self._locked)
+        return self._locked.nbytes
 
     def release(self) -> None:
         """Unlock everything (waits for the devices first: a copy may still be reading or writing)."""
-        with self._lock:
-            locked, self._locked = self._locked, []
-        if not locked:
-            return
-        try:
-            for device in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(device)
-        except RuntimeError as error:  # a device in an error state: keep the lock rather than risk a live copy
-            logger.warning("RoundPipe left %.2f GiB of host memory page-locked: the device could not be synchronized "
-                           "(%s)", sum(t.numel() * t.element_size() for t in locked) / 2**30, error)
-            return
-        for buffer in locked:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self._locked.unlock_all()

@@ -1,0 +1,76 @@
+"""[Note: unlock before free]: every page-locked host buffer is unlocked before its memory can be freed, whether
+its engine was closed or only collected. The CUDA runtime is replaced by a recorder here; the GPU test
+(`integration_tests/test_gpu_engines_in_turn.py`) runs the real one."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from accelerate_roundpipe.runtime.pinned import HostMemory
+
+
+class RecordingLocks:
+    """Stands in for `CudaHostLocks`: records which addresses are locked, and fails when one is locked twice (what
+    cudaHostRegister answers when a freed locked range is handed out again)."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}
+        self.unlocked: list[int] = []
+
+    def lock(self, buffer: torch.Tensor) -> None:
+        start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        for other, other_size in self.locked.items():
+            if start < other + other_size and other < start + size:
+                raise RuntimeError("part or all of the requested memory range is already mapped")
+        self.locked[start] = size
+
+    def unlock(self, buffers: list[torch.Tensor]) -> bool:
+        for buffer in buffers:
+            del self.locked[buffer.data_ptr()]
+            self.unlocked.append(buffer.data_ptr())
+        return True
+
+
+def _fill(memory: HostMemory) -> list[int]:
+    buffers = [memory.zeros(2**20 + k, torch.float32) for k in range(4)]  # large: the allocator maps them apart
+    return [b.data_ptr() for b in buffers]
+
+
+def test_collected_memory_is_unlocked_before_it_is_freed():
+    locks = RecordingLocks()
+    memory = HostMemory(pinned=True, locks=locks)
+    addresses = _fill(memory)
+    assert sorted(locks.locked) == sorted(addresses) and memory.locked_bytes == sum(4 * (2**20 + k) for k in range(4))
+    del memory  # no release(): an engine a Trainer left open, then collected
+    gc.collect()
+    assert locks.locked == {} and sorted(locks.unlocked) == sorted(addresses)
+
+
+def test_memories_in_turn_never_lock_a_range_twice():
+    locks = RecordingLocks()
+    for _ in range(6):  # engines built and dropped in turn, as a notebook or a sweep does
+        memory = HostMemory(pinned=True, locks=locks)
+        _fill(memory)
+        del memory
+        gc.collect()
+    assert locks.locked == {}
+
+
+def test_release_unlocks_once_and_the_buffers_stay_valid():
+    locks = RecordingLocks()
+    memory = HostMemory(pinned=True, locks=locks)
+    buffer = memory.zeros(1000, torch.float32).add_(3)
+    memory.release()
+    assert locks.locked == {} and memory.locked_bytes == 0 and torch.equal(buffer, torch.full((1000,), 3.0))
+    del memory
+    gc.collect()
+    assert len(locks.unlocked) == 1  # the finalizer found nothing left to unlock
+
+
+def test_unpinned_memory_locks_nothing():
+    locks = RecordingLocks()
+    memory = HostMemory(pinned=False, locks=locks)
+    _fill(memory)
+    assert locks.locked == {} and memory.locked_bytes == 0
