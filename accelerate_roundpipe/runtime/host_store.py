@@ -23,6 +23,7 @@ bucket's gradient (`Bucket.commit`).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -190,7 +191,9 @@ class Bucket:
 
     def record_scale(self, ratio: float) -> None:
         """The optimizer's kernel multiplied the gradients by `ratio` as it read them ([Note: clip in the kernel])."""
-        self.grad_sq = None if self.grad_sq is None else self.grad_sq * ratio * ratio
+        scaled = None if self.grad_sq is None else self.grad_sq * ratio * ratio
+        # an infinite norm times a 0 coefficient is not the norm of what the gradients became: measure it again
+        self.grad_sq = scaled if scaled is not None and math.isfinite(scaled) else None
 
     def squared_norm(self) -> float:
         """The squared L2 norm of the held gradients: the device's measurement when there is one, else a host

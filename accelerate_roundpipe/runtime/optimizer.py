@@ -26,7 +26,7 @@ from .data_parallel import DataParallelError, DataParallelGroup
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
 from .shards import BucketShard, ShardedSteps
-from .step_norm import PendingGradNorm, StepNorm
+from .step_norm import PendingGradNorm, StepNorm, kernel_grad_scale
 from .sync import FailureFlag, SerialExecutor, wait_for_any_turn
 
 _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
@@ -142,13 +142,13 @@ class LaggedOptimizer(torch.optim.Optimizer):
         if self.data_parallel is not None:  # the norm of the reduced, global gradient ([Note: data parallel])
             def total(squares: float) -> float:
                 return self.data_parallel.sum_on_optimizer_thread(squares, "the all-reduce of the gradient norm")
-        step_norm = StepNorm(len(self._step_order), max_norm, total)
+        dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
+        step_norm = StepNorm(len(self._step_order), max_norm, total, dtype)
         with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
             for bucket in self._step_order:  # top layers first: the order their gradients become final
                 ticket = bucket.grads.reserve()
                 self.thread.submit(self._norm_job(bucket, ticket, step_norm))
         self._clip = step_norm
-        dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
         return PendingGradNorm(step_norm, self.failure, dtype)
 
     def _norm_job(self, bucket: Bucket, ticket: int, step_norm: StepNorm) -> Callable[[], None]:
@@ -185,8 +185,10 @@ class LaggedOptimizer(torch.optim.Optimizer):
             in_kernel = None  # a clip the fused kernel applies as it reads the gradients
             if clip is not None and bucket.grad_valid:
                 coefficient = clip.clip_coefficient(self.failure)
-                if coefficient < 1.0:  # torch multiplies by the clamped coefficient; by 1 changes nothing
-                    if groups and self._clips_in_kernel(bucket, groups):
+                # torch multiplies by the clamped coefficient (0 or NaN too: [Note: non-finite clip]); by 1 changes
+                # nothing
+                if coefficient != 1.0:
+                    if groups and self._clips_in_kernel(bucket, groups) and kernel_grad_scale(coefficient):
                         in_kernel = coefficient
                     elif shard is not None:
                         shard.grad.mul_(coefficient)
@@ -196,7 +198,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 original = stepper.param_groups
                 stepper.param_groups = groups
                 if in_kernel is not None:
-                    stepper.grad_scale = torch.tensor(1.0 / in_kernel, dtype=torch.float32)
+                    stepper.grad_scale = torch.tensor(kernel_grad_scale(in_kernel), dtype=torch.float32)
                 try:
                     with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
                         stepper.step()
