@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,16 +76,21 @@ class _Background:
             for thread in threads:
                 thread.join(join_timeout_s)
             return
-        waited = 0.0
+        # The clock, not a sum of join timeouts: a join returns early when its thread ends, so the warnings would
+        # report more than was waited ("10 s" after 1.7 s).
+        start = time.monotonic()
+        next_warning = start + CLOSE_WARNING_S
         while True:
             for thread in threads:
-                thread.join(CLOSE_WARNING_S / max(len(threads), 1))
+                thread.join(max(next_warning - time.monotonic(), 0.0))
             threads = [t for t in threads if t.is_alive()]
             if not threads:
                 return
-            waited += CLOSE_WARNING_S
-            logger.warning("RoundPipe close() has waited %.0f s for %s to finish the layer or step it is running (its "
-                           "work is cancelled; it stops at its next wait).", waited, ", ".join(t.name for t in threads))
+            if time.monotonic() >= next_warning:
+                logger.warning("RoundPipe close() has waited %.1f s for %s to finish the layer or step it is running "
+                               "(its work is cancelled; it stops at its next wait).", time.monotonic() - start,
+                               ", ".join(t.name for t in threads))
+                next_warning = time.monotonic() + CLOSE_WARNING_S
 
 
 class RoundPipe(nn.Module):
