@@ -131,12 +131,16 @@ class FailureFlag:
     def wait(self, cond: threading.Condition, ready: Callable[[], bool], what: str, poll_s: float = POLL_S) -> None:
         """Wait on `cond` (held by the caller) until `ready()`, re-checking at least every `poll_s`; raise on
         failure or timeout."""
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         while not ready():
             self.check()
-            if time.monotonic() > deadline:
-                error = TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise wait_timeout_s "
-                                     f"(env ROUNDPIPE_WAIT_TIMEOUT_S) if this work is legitimately slow.")
+            now = time.monotonic()
+            if now > deadline:
+                # The time really waited: a poll on a busy machine can overshoot the deadline by far.
+                error = TimeoutError(f"waited {now - start:.1f} s for {what} (wait_timeout_s={self.timeout_s:g}); "
+                                     f"raise wait_timeout_s (--roundpipe_wait_timeout_s, env ROUNDPIPE_WAIT_TIMEOUT_S) "
+                                     f"if this work is legitimately slow.")
                 self.fail(error, "a wait that timed out")  # stop the other threads too
                 with self._lock:
                     self._reported = self._reported or not getattr(_engine_thread, "active", False)

@@ -1,4 +1,4 @@
-"""`close()` while a thread still runs a slow layer: its warnings report the time it has really waited."""
+"""Reported waits are measured ones: `close()` while a thread still runs a slow layer, and a wait that timed out."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime import engine as engine_module
 from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.sync import FailureFlag
 
 TASKS_PER_PASS = 4  # two forward-side tasks, the fused stage, one backward stage: the last one ends after the loss
 SLOW_S = 2.5
@@ -55,3 +56,16 @@ def test_close_reports_the_seconds_it_really_waited(monkeypatch, caplog):
     for reported, measured in reports:
         assert abs(reported - measured) < 0.3, (reports, closed_after)
     assert max(reported for reported, _ in reports) <= closed_after
+
+
+def test_a_timed_out_wait_reports_the_seconds_it_really_waited():
+    """Before: the message gave the configured timeout ("waited 0.1 s"), however long the wait had really taken
+    (here each poll sleeps 0.6 s, as a wait does on a busy machine)."""
+    flag = FailureFlag(timeout_s=0.1)
+    cond = threading.Condition()
+    start = time.monotonic()
+    with cond, pytest.raises(TimeoutError, match=r"wait_timeout_s=0.1.*ROUNDPIPE_WAIT_TIMEOUT_S") as timed_out:
+        flag.wait(cond, lambda: False, "a result that never comes", poll_s=0.6)
+    measured = time.monotonic() - start
+    reported = float(re.search(r"waited ([\d.]+) s", str(timed_out.value)).group(1))
+    assert abs(reported - measured) < 0.2, (reported, measured)
