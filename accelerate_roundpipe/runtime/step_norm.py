@@ -110,3 +110,8 @@ class PendingGradNorm(torch.Tensor):
 
     def __repr__(self) -> str:
         return repr(self.resolve())
+
+    def __format__(self, format_spec: str) -> str:
+        # torch formats only an exact `torch.Tensor` of 0 dims as its number (`f"{norm:.3f}"`); a subclass would
+        # get `object.__format__`, which takes no format
+        return format(self.resolve(), format_spec)
