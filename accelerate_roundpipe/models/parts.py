@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .model_kind import not_a_causal_lm
 from .stand_ins import ProbeFailed, probe_part_order
 
 
@@ -44,6 +45,17 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
         return model.get_base_model()
     return model
+
+
+def refuse_if_not_a_causal_lm(model: nn.Module) -> None:
+    """Refuse a model that is certainly not a decoder-only causal LM ([Note: causal LMs only] in `model_kind.py`),
+    with the structural detail when its modules do not split either; its loss is not the head's next-token loss, so
+    it is refused even when they do."""
+    if not_a_causal_lm(model) is None:
+        return
+    find_decoder_parts(model)  # raises with the structural detail (the error leads with what RoundPipe trains)
+    raise UnsupportedModelError(model, "its modules split, but the pipeline's head computes a causal LM's "
+                                       "next-token loss, which is not this model's loss")
 
 
 def find_decoder_parts(model: nn.Module) -> DecoderParts:

@@ -13,7 +13,7 @@ from .batch import build_batch
 from .fused_ce import DEFAULT_CHUNK_TOKENS
 from .head import CausalLMHead, FinalNorm
 from .layers import DecoderLayer, EmbeddingLayer
-from .parts import DecoderParts, find_decoder_parts
+from .parts import DecoderParts, find_decoder_parts, refuse_if_not_a_causal_lm
 from .registry import FamilySpec, family_for, refuse_if_not_matching
 from .router_aux import install_router_hooks
 from .shell import PLAIN_ATTRIBUTE_TYPES, UnusedPart, decoder_stubs, make_shell
@@ -103,6 +103,7 @@ def split_causal_lm(model: nn.Module, *, loss_chunk_tokens: int = DEFAULT_LOSS_C
     The layers share modules with `model` (no weights are copied). HF gradient checkpointing is switched off on the
     model, since the engine recomputes activations itself. Raises `UnsupportedModelError` naming what is missing.
     """
+    refuse_if_not_a_causal_lm(model)  # [Note: causal LMs only] in model_kind.py
     refuse_if_not_matching(model)  # [Note: families that do not match HF]
     parts = find_decoder_parts(model)
     family = family_for(parts.causal_lm)
