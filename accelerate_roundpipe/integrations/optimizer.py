@@ -99,10 +99,3 @@ class RoundPipeAcceleratedOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: LaggedOptimizer) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
 
-    def step(self, closure=None):
-        super().step(closure)
-        if self.gradient_state.sync_gradients:
-            # The wrapped optimizer's own step runs later, on the optimizer thread. torch's LR scheduler checks on
-            # the caller's thread, right after this call, that it ran (else it warns "lr_scheduler.step() before
-            # optimizer.step()"); the step *is* scheduled, so say so.
-            self.optimizer.inner._opt_called = True

@@ -113,6 +113,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         clip, self._clip = self._clip, None
         lagged = self.async_step and self.steps_taken >= self.exact_steps_first
         self.steps_taken += 1
+        self.inner._opt_called = True  # [Note: scheduler step count]
         with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
             if not lagged:
                 entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write())
@@ -129,6 +130,14 @@ class LaggedOptimizer(torch.optim.Optimizer):
                 ticket = bucket.grads.reserve()
                 self.thread.submit(self._lagged_step_job(bucket, ticket, member_groups, clip))
                 self._held_writebacks.append(bucket)
+
+    # [Note: scheduler step count]
+    # A torch LR scheduler wraps its optimizer's `step` (an attribute of that instance) to set `_opt_called`, and its
+    # own `step()` warns "lr_scheduler.step() before optimizer.step()" when that is unset. The wrapped optimizer's
+    # step runs later, on the optimizer thread, so `step()` says on the caller's thread what torch's wrapper would
+    # say there: the step is taken (scheduled, with the learning rates read now). The optimizer thread calls the
+    # class's `step` (its hooks included), not the instance's, so it never writes to the user's optimizer, whatever
+    # a scheduler wrapped around it.
 
     def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
         """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
@@ -201,7 +210,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
                     stepper.grad_scale = torch.tensor(kernel_grad_scale(in_kernel), dtype=torch.float32)
                 try:
                     with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
-                        stepper.step()
+                        type(stepper).step(stepper)  # the class's step: [Note: scheduler step count]
                 finally:
                     stepper.param_groups = original
                     if in_kernel is not None:
