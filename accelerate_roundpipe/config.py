@@ -8,6 +8,7 @@ environment, and the environment beats the default. Strings are normalised to th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,45 +44,122 @@ def to_dtype(value: Any, name: str) -> torch.dtype | None:
     return dtype
 
 
-def _int_list(value: Any, name: str) -> list[int] | None:
+def knob(name: str) -> str:
+    """A setting as the user can give it: the field (of `RoundPipeConfig`, `RoundPipePlugin`, the `roundpipe:` section
+    and `accelerate-roundpipe config --<field>`), the `--roundpipe_<field>` training argument and the variable."""
+    return f"{name} (--roundpipe_{name}, env {ENV_PREFIX}{name.upper()})"
+
+
+def _refusal(name: str, value: Any, allowed: str, from_env: bool) -> ValueError:
+    given = f"{ENV_PREFIX}{name.upper()}={value!r} in the environment" if from_env else f"got {value!r}"
+    return ValueError(f"{knob(name)} must be {allowed}; {given}.")
+
+
+@dataclass(frozen=True)
+class NumberRange:
+    """What a numeric setting accepts: an integer in [least, most], or a finite number above 0 (`what` says of
+    what); `auto` also takes "auto" (any case); `units` are suffixes the text may carry ('24GiB')."""
+
+    integer: bool
+    least: int = 0
+    most: int | None = None
+    auto: bool = False
+    what: str = "number"
+    units: tuple[str, ...] = ()
+
+    @property
+    def allowed(self) -> str:
+        if self.integer:
+            text = f"an integer >= {self.least}" if self.most is None else \
+                f"an integer from {self.least} to {self.most}"
+        else:
+            text = f"a positive, finite {self.what}"
+        return text + (" or 'auto'" if self.auto else "")
+
+
+# [Note: settings checked where given]
+# Every numeric field of `RoundPipeConfig` has its range here, and construction refuses anything outside it, naming
+# the knob (`knob`) and the range: a NaN timeout would otherwise disable every timeout, a zero one fail only at the
+# first wait, and a negative budget or TFLOP/s poison a plan or a log much later. Devices are checked against this
+# machine at construction too (`check_cuda_devices`). `RoundPipePlugin`, `RoundPipeTrainingArguments` and the
+# launchers construct one where the settings are given, so a bad setting stops a script before it loads or tokenizes
+# anything. tests/test_setting_checks.py finds the numeric fields from their types: a new one cannot skip its range.
+NUMBER_RANGES: dict[str, NumberRange] = {
+    "num_microbatches": NumberRange(integer=True, least=1),
+    "microbatches_per_round": NumberRange(integer=True, least=1),
+    "async_warmup_steps": NumberRange(integer=True, least=0),
+    "seed": NumberRange(integer=True, least=0, most=2**64 - 1),  # torch.initial_seed()'s range
+    "wait_timeout_s": NumberRange(integer=False, what="number of seconds"),
+    "peak_tflops": NumberRange(integer=False, what="number of TFLOP/s"),
+    "mlp_chunk_tokens": NumberRange(integer=True, least=1),
+    "head_shards": NumberRange(integer=True, least=1, auto=True),
+    "gpu_memory_budget": NumberRange(integer=False, what="size in GiB (e.g. 24 or '24GiB')",
+                                     units=("gib", "gb", "g")),
+}
+
+
+def _parse_number(value: Any, units: tuple[str, ...] = ()) -> int | float | None:
+    if isinstance(value, bool):
+        return None  # True is an int to Python, not a count or a timeout to anyone
+    if isinstance(value, (int, float)):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    for unit in units:
+        text = text.removesuffix(unit)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except (TypeError, ValueError):
+            pass
+    return None
+
+
+def number_setting(value: Any, name: str, rule: NumberRange, from_env: bool = False) -> int | float | str:
+    """`value` as the setting `name` takes it (see [Note: settings checked where given]), or a ValueError naming it."""
+    if rule.auto and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    number = _parse_number(value, rule.units)
+    if number is not None and math.isfinite(number):
+        if rule.integer and (isinstance(number, int) or number.is_integer()):
+            number = int(number)
+            if number >= rule.least and (rule.most is None or number <= rule.most):
+                return number
+        elif not rule.integer and number > 0:
+            return float(number)
+    raise _refusal(name, value, rule.allowed, from_env)
+
+
+def _int_list(value: Any, name: str, from_env: bool = False) -> list[int] | None:
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else list(value)
-    try:
-        out = [int(v) for v in items]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} must be a list of layer counts, e.g. '3,3,2'.") from None
-    if not out or any(v < 1 for v in out):
-        raise ValueError(f"{name}={value!r}: every stage needs at least one layer.")
+    counts = [_parse_number(v) for v in items]
+    if not counts or any(c is None or not math.isfinite(c) or c != int(c) or c < 1 for c in counts):
+        raise _refusal(name, value, "a list of layer counts, e.g. '3,3,2' (every stage needs at least one layer)",
+                       from_env)
+    return [int(c) for c in counts]
+
+
+WORKER_TYPES = ("cuda", "cpu")
+
+
+def _device_list(value: Any, from_env: bool = False) -> list[str]:
+    """Parse `devices` ('cuda:0,cuda:1', ['cpu', 'cpu']): only GPUs and CPU workers are RoundPipe workers."""
+    items = [d.strip() for d in value.split(",") if d.strip()] if isinstance(value, str) else list(value)
+    if not items:
+        raise _refusal("devices", value, "at least one worker, e.g. 'cuda:0' or 'cpu'", from_env)
+    out = []
+    for item in items:
+        try:
+            device = torch.device(item.strip() if isinstance(item, str) else item)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in WORKER_TYPES:
+            raise _refusal("devices", value, f"a list of workers: GPUs as 'cuda:N' (or 'cuda') and CPU workers as "
+                                             f"'cpu', e.g. 'cuda:0,cuda:1' or 'cpu,cpu' ({item!r} is not one)",
+                           from_env)
+        out.append("cpu" if str(item).strip() == "cpu" else str(device))
     return out
-
-
-def _count_or_auto(value: Any, name: str) -> int | str:
-    """A count of at least 1, or "auto" (any case)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        count = int(value)
-    except (TypeError, ValueError):
-        count = 0
-    if count < 1 or (isinstance(value, float) and value != count):
-        raise ValueError(f"{name} (env {ENV_PREFIX}{name.upper()}) must be an integer >= 1 or 'auto', "
-                         f"got {value!r}.")
-    return count
-
-
-def _gib(value: Any, name: str) -> float:
-    """GiB from a number or a string such as '24', '24GiB', '24 GB' (GB taken as GiB: budgets are approximate)."""
-    text = str(value).strip().lower().replace(" ", "")
-    for unit in ("gib", "gb", "g"):
-        text = text.removesuffix(unit)
-    try:
-        gib = float(text)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a memory size; use GiB, e.g. 24 or '24GiB'.") from None
-    if gib <= 0:
-        raise ValueError(f"{name}={value!r} must be positive.")
-    return gib
 
 
 def check_cuda_devices(devices: list[torch.device]) -> None:
@@ -226,56 +304,46 @@ class RoundPipeConfig:
         "help": "Run as one rank of a torch.distributed data-parallel group. Default: on when world size > 1."})
 
     def __post_init__(self) -> None:
+        from_env = set()
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
                 for name in (ENV_PREFIX + f.name.upper(), *f.metadata.get("env_aliases", ())):
                     raw = os.environ.get(name)
                     if raw is not None and raw.strip() != "":
                         setattr(self, f.name, raw)
+                        from_env.add(f.name)
                         break
-        self._normalise()
+        self._normalise(from_env)
 
-    def _normalise(self) -> None:
-        env = ENV_PREFIX
-        if isinstance(self.devices, str):
-            self.devices = [d.strip() for d in self.devices.split(",") if d.strip()]
+    def _normalise(self, from_env: set[str] = frozenset()) -> None:
+        """Every value to its final type, refused here when no engine could use it, naming the knob
+        ([Note: settings checked where given])."""
         if self.devices is not None:
-            self.devices = [str(torch.device(d)) if str(d) != "cpu" else "cpu" for d in self.devices]
-            if not self.devices:
-                raise ValueError(f"devices (env {env}DEVICES) is empty; name at least one, e.g. 'cuda:0' or 'cpu'.")
-        for name, least in (("num_microbatches", 1), ("microbatches_per_round", 1), ("mlp_chunk_tokens", 1),
-                            ("async_warmup_steps", 0)):
+            self.devices = _device_list(self.devices, "devices" in from_env)
+            check_cuda_devices([torch.device(d) for d in self.devices])
+        for name, rule in NUMBER_RANGES.items():
             value = getattr(self, name)
             if value is not None:
-                value = int(value)
-                if value < least:
-                    raise ValueError(f"{name} (env {env}{name.upper()}) must be >= {least}, got {value}.")
-                setattr(self, name, value)
+                setattr(self, name, number_setting(value, name, rule, name in from_env))
         for name in ("async_optimizer", "pin_memory", "summary", "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, str):
-                setattr(self, name, str_to_bool(value, env + name.upper()))
-        self.param_dtype = to_dtype(self.param_dtype, "param_dtype")
-        self.optimizer_dtype = to_dtype(self.optimizer_dtype, "optimizer_dtype")
+                setattr(self, name, str_to_bool(value, ENV_PREFIX + name.upper() if name in from_env else knob(name)))
+            elif value is not None and not isinstance(value, bool):
+                if value not in (0, 1):
+                    raise _refusal(name, value, "a boolean (true or false)", name in from_env)
+                setattr(self, name, bool(value))
+        self.param_dtype = to_dtype(self.param_dtype, knob("param_dtype"))
+        self.optimizer_dtype = to_dtype(self.optimizer_dtype, knob("optimizer_dtype"))
         for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES)):
             value = getattr(self, name)
             if value is not None:
                 value = str(value).strip().lower()
                 if value not in choices:
-                    raise ValueError(f"{name} (env {env}{name.upper()})={value!r}; choose one of {list(choices)}.")
+                    raise ValueError(f"{knob(name)}={value!r}; choose one of {list(choices)}.")
                 setattr(self, name, value)
-        if self.head_shards is not None:
-            self.head_shards = _count_or_auto(self.head_shards, "head_shards")
-        self.forward_stages = _int_list(self.forward_stages, "forward_stages")
-        self.backward_stages = _int_list(self.backward_stages, "backward_stages")
-        if self.seed is not None:
-            self.seed = int(self.seed)
-        if self.wait_timeout_s is not None:
-            self.wait_timeout_s = float(self.wait_timeout_s)
-        if self.peak_tflops is not None:
-            self.peak_tflops = float(self.peak_tflops)
-        if self.gpu_memory_budget is not None:
-            self.gpu_memory_budget = _gib(self.gpu_memory_budget, env + "GPU_MEMORY_BUDGET")
+        self.forward_stages = _int_list(self.forward_stages, "forward_stages", "forward_stages" in from_env)
+        self.backward_stages = _int_list(self.backward_stages, "backward_stages", "backward_stages" in from_env)
 
     # Resolved values: what the engine actually uses.
     def resolved_devices(self) -> list[torch.device]:
