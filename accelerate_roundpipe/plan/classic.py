@@ -168,12 +168,16 @@ def simulate_classic(schedule: ClassicSchedule, costs: Sequence[float],
     return 1.0 - sum(busy) / (makespan * len(busy))
 
 
+def roundpipe_partition(costs: Sequence[float], backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST):
+    """RoundPipe's partition for compute-only forward `costs`, each backward at `backward_ratio` times its forward."""
+    return plan_partition(len(costs), forward_costs=costs, backward_costs=[backward_ratio * c for c in costs])
+
+
 def roundpipe_bubble(num_devices: int, num_microbatches: int, costs: Sequence[float], asynchronous: bool,
                      backward_ratio: float = DEFAULT_BACKWARD_TO_FORWARD_COST, iterations: int = 8) -> float:
     """Sync: one iteration (warm-up and cool-down each time). Async: `iterations` iterations back to back, the
     pipeline never drained (the lagged step needs no barrier), measured over the whole run."""
-    partition = plan_partition(len(costs), forward_costs=costs,
-                               backward_costs=[backward_ratio * c for c in costs])
+    partition = roundpipe_partition(costs, backward_ratio)
     return _roundpipe_partition_bubble(partition, costs, num_devices, num_microbatches, asynchronous,
                                        backward_ratio, iterations)
 

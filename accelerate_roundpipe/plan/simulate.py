@@ -1,8 +1,9 @@
 """Discrete-event replay of a RoundPipe schedule with given costs: busy and idle time per device.
 
-Each device runs its tasks in dispatch order and a task's micro-batches in order. Micro-batch m of a task can start
-once the device is free and micro-batch m of the previous task of the same round has finished (its activations or
-activation gradients are the input). This is the dependency structure the runtime enforces.
+The schedule is lowered into actions ([Note: schedule lowering]) and the actions are replayed: each device runs its
+COMPUTE actions in order and a task's micro-batches in order; micro-batch m of a COMPUTE starts once its device is
+free and its inputs are ready (micro-batch m of the SEND that feeds it, so of the previous task of its round).
+Uploads, sends and commits take no time here: the runtime overlaps them with compute.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .actions import Action, ActionKind
+from .lowering import lower_schedule
 from .schedule import Task
 
 CostFn = Callable[[Task, int], float]
@@ -36,19 +39,38 @@ class SimulationResult:
 
 
 def simulate(tasks: Sequence[Task], num_devices: int, cost: CostFn = unit_cost) -> SimulationResult:
+    return replay_actions(lower_schedule(tasks), num_devices, cost)
+
+
+def replay_actions(actions: Sequence[Action], num_devices: int, cost: CostFn = unit_cost) -> SimulationResult:
+    """Replay lowered actions; `cost(task, micro-batch)` is the time of one micro-batch of a COMPUTE."""
     device_free = [0.0] * num_devices
     busy = [0.0] * num_devices
-    previous_in_round: dict[int, Task] = {}
-    finish: dict[tuple[Task, int], float] = {}
-    for task in tasks:
-        before = previous_in_round.get(task.round_index)
-        for mb in range(*task.microbatches):
-            ready = finish[(before, mb)] if before is not None else 0.0
-            start = max(device_free[task.device_index], ready)
-            duration = cost(task, mb)
-            finish[(task, mb)] = start + duration
-            device_free[task.device_index] = start + duration
-            busy[task.device_index] += duration
-        previous_in_round[task.round_index] = task
+    finish: list[dict[int, float]] = []  # per action: micro-batch -> when it is done (never changed once made)
+    for action in actions:
+        mbs = action.task.microbatches
+        # Inputs per micro-batch from actions over the same micro-batches, after the whole action from the others
+        # (see `Action`).
+        per_mb = [finish[d] for d in action.deps if actions[d].task.microbatches == mbs]
+        whole = max((max(finish[d].values()) for d in action.deps if actions[d].task.microbatches != mbs),
+                    default=0.0)
+        if action.kind is ActionKind.COMPUTE:
+            device = action.task.device_index
+            done: dict[int, float] = {}
+            for mb in range(*mbs):
+                start = device_free[device] if device_free[device] > whole else whole
+                for inputs in per_mb:  # comparisons, not max(): the inner loop of every replay
+                    if inputs[mb] > start:
+                        start = inputs[mb]
+                duration = cost(action.task, mb)
+                done[mb] = device_free[device] = start + duration
+                busy[device] += duration
+        elif not per_mb:
+            done = dict.fromkeys(range(*mbs), whole)  # an upload (no inputs here) or a step
+        elif len(per_mb) == 1 and whole == 0.0:
+            done = per_mb[0]  # a send or a commit: done when its compute is (it takes no time here)
+        else:
+            done = {mb: max([whole] + [f[mb] for f in per_mb]) for mb in range(*mbs)}
+        finish.append(done)
     makespan = max(device_free)
     return SimulationResult(makespan, tuple(busy), tuple(makespan - b for b in busy))

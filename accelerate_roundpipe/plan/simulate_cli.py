@@ -2,6 +2,7 @@
 
     accelerate-roundpipe simulate --model qwen3-1.7b --devices 8 --microbatches 16 [--json]
     accelerate-roundpipe simulate --model llama3.1-8b --devices 8 --microbatches 16 --split-head [--grid]
+    accelerate-roundpipe simulate --model qwen3-1.7b --devices 2 --microbatches 2 --actions
     python -m accelerate_roundpipe.plan.simulate_cli --profile costs.json --devices 4 --microbatches 8
 """
 
@@ -11,8 +12,10 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from .classic import compare_bubbles, split_head_plan
+from .actions import format_actions
+from .classic import compare_bubbles, roundpipe_partition, split_head_plan
 from .decoder_shapes import MODEL_SHAPES, decoder_layer_flops
+from .lowering import lower_schedule
 from .schedule import build_schedule, format_schedule
 
 
@@ -33,6 +36,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                              "stage counts; the classic schedules get as many shards (see [Note: split head])")
     parser.add_argument("--grid", action="store_true",
                         help="with --split-head, also print the planned sync iteration's schedule grid")
+    parser.add_argument("--actions", action="store_true",
+                        help="also print RoundPipe's sync iteration lowered into actions (uploads, computes, sends, "
+                             "commits, steps) with the actions each waits for (not with --json)")
     parser.add_argument("--json", action="store_true", help="print only the JSON of bubble ratios")
     return parser
 
@@ -67,6 +73,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             if args.grid:
                 tasks = build_schedule(planned.partition, args.microbatches, args.microbatches, args.devices)
                 print(format_schedule(tasks, args.devices))
+        if args.actions:
+            partition = (split_head_plan(args.devices, args.microbatches, costs, asynchronous=False)[1].partition
+                         if args.split_head else roundpipe_partition(costs))
+            tasks = build_schedule(partition, args.microbatches, args.microbatches, args.devices)
+            print(f"lowered sync iteration, {len(tasks)} tasks ({partition}):")
+            print(format_actions(lower_schedule(tasks)))
     return result
 
 
