@@ -1,6 +1,6 @@
 """The per-layer RNG streams: a CPU worker never draws from (or moves) the process-wide generator, whatever the user's
 threads draw meanwhile ([Note: CPU worker RNG]); evaluation passes leave the training passes' streams alone
-([Note: RNG streams of training passes])."""
+([Note: RNG streams of passes])."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def _train(eval_between: bool, steps: int = 4):
 
 
 def test_evaluation_forwards_between_steps_change_no_dropout_mask():
-    """[Note: RNG streams of training passes]: in plain PyTorch an eval-mode forward draws nothing, so the training
+    """[Note: RNG streams of passes]: in plain PyTorch an eval-mode forward draws nothing, so the training
     that follows draws the same masks; so here."""
     plain_losses, plain_weights = _train(eval_between=False)
     eval_losses, eval_weights = _train(eval_between=True)

@@ -55,7 +55,15 @@ def use_expandable_segments() -> bool:
 
 def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_index: int) -> int:
     """The RNG seed of one layer on one micro-batch of one pass: the forward and its recomputation draw the same
-    masks whatever device or thread runs them."""
+    masks whatever device or thread runs them.
+
+    [Note: RNG streams of passes]
+    `pass_index` is the pass's `rng_stream`, not its pass number: training passes (the module in training mode)
+    count 0, 1, 2, ... on their own and evaluation passes count -1, -2, ... apart, so an evaluation forward between
+    training steps changes no later dropout mask, as in plain PyTorch, where an eval-mode forward draws nothing.
+    A training-mode forward without gradients (generation in training mode) counts as a training pass: in plain
+    PyTorch its draws move the generator too. Both counts are in `engine_state()`, so a resume draws on exactly.
+    """
     value = base_seed & 0xFFFFFFFFFFFF
     for part in (pass_index, layer_index, microbatch_index):
         value = (value * 1_000_003 + part + 1) % (2**61 - 1)
@@ -328,6 +336,19 @@ class Device:
 
     @contextlib.contextmanager
     def rng(self, seed: int) -> Iterator[None]:
+        """The layer run inside draws from the stream `seed`.
+
+        [Note: CUDA worker RNG]
+        A CUDA worker seeds the device's default CUDA generator and holds the device's lock while the layer launches
+        its kernels (each takes its offset from the generator at launch), so workers sharing the device never
+        interleave. That generator is process-wide: a user thread drawing CUDA random numbers on the same device
+        while a worker runs a layer (`torch.rand(..., device="cuda")`, a CUDA dropout outside the engine) moves the
+        layer's stream, and its recomputation then differs from its forward; and a layer drawing CPU random numbers
+        on a CUDA worker draws from the unseeded process-wide CPU generator. CPU draws on user threads are unaffected.
+        Lifting this would take a `torch.Generator(device="cuda")` per stream handed to every random op, a per-op
+        Python dispatch on the GPU's hot path ([Note: CPU worker RNG] pays it on CPU workers only); torch has no
+        per-thread default generator.
+        """
         if self.is_cuda:
             with self._rng_lock:
                 torch.cuda.manual_seed(seed)  # RNG state is taken when kernels launch: the lock can end here

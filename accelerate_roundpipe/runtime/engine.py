@@ -152,6 +152,9 @@ class RoundPipe(nn.Module):
             self.data_parallel.failure = self._failure
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._num_passes = 0
+        # The RNG streams' keys: training passes and evaluation passes count apart ([Note: RNG streams of passes]).
+        self._training_passes = 0
+        self._evaluation_passes = 0
         self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
@@ -288,8 +291,10 @@ class RoundPipe(nn.Module):
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
-        state = PassState(self._new_pass_index(), Mode.TRAIN, self._modules["module"].training, mb_rows,
+        training = self._modules["module"].training
+        state = PassState(self._new_pass_index(), Mode.TRAIN, training, mb_rows,
                           self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
+                          rng_stream=self._new_rng_stream(training),
                           labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
                           losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
                           deferred=DeferredCommit(scale) if deferred else None)
@@ -353,8 +358,9 @@ class RoundPipe(nn.Module):
         adapter_setting = self._follow_adapter_switches(training=keep_for_backward)
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
-        state = PassState(self._new_pass_index(), Mode.FORWARD, self._modules["module"].training,
-                          [x[0].shape[0] for x in mb_inputs], saved)
+        training = self._modules["module"].training
+        state = PassState(self._new_pass_index(), Mode.FORWARD, training, [x[0].shape[0] for x in mb_inputs],
+                          saved, rng_stream=self._new_rng_stream(training))
         state.input_dtypes = _floating_dtypes(inputs)
         if not keep_for_backward:  # evaluation, prediction, generation: every step taken, and looking changes nothing
             state.reads_newest = True
@@ -385,7 +391,8 @@ class RoundPipe(nn.Module):
         rows = state.microbatch_rows
         split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]
         mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
-        backward_state = PassState(state.index, Mode.BACKWARD, state.training, rows, state.saved_layers)
+        backward_state = PassState(state.index, Mode.BACKWARD, state.training, rows, state.saved_layers,
+                                   rng_stream=state.rng_stream)  # the recomputation replays the forward's draws
         backward_state.saved = state.saved
         jobs = self._dispatch.enqueue(self._schedule(len(rows), Mode.BACKWARD), backward_state, mb_grads)
         self._release_writebacks()
@@ -465,7 +472,8 @@ class RoundPipe(nn.Module):
     def engine_state(self) -> dict[str, int]:
         """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
         count of the per-layer RNG streams (dropout masks) and where the round-robin dispatch stands."""
-        state = {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device}
+        state = {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device,
+                 "training_passes": self._training_passes, "evaluation_passes": self._evaluation_passes}
         if self.optimizer is not None:
             state["optimizer_steps"] = self.optimizer.steps_taken  # where an async warm-up stands
         return state
@@ -474,6 +482,9 @@ class RoundPipe(nn.Module):
         self.synchronize()
         self._seed = int(state["seed"])
         self._num_passes = int(state["num_passes"])
+        # A checkpoint from before passes were counted apart keyed the streams on every pass.
+        self._training_passes = int(state.get("training_passes", state["num_passes"]))
+        self._evaluation_passes = int(state.get("evaluation_passes", 0))
         self._dispatch.next_device = int(state["next_device"]) % len(self.devices)
         self._dispatch.reseed(self._seed)
         if self.optimizer is not None and "optimizer_steps" in state:
@@ -536,6 +547,15 @@ class RoundPipe(nn.Module):
     def _new_pass_index(self) -> int:
         self._num_passes += 1
         return self._num_passes - 1
+
+    def _new_rng_stream(self, training: bool) -> int:
+        """The key of a pass's RNG streams: training passes count on their own, so an evaluation pass between them
+        changes no later dropout mask ([Note: RNG streams of passes] in runtime/device.py)."""
+        if training:
+            self._training_passes += 1
+            return self._training_passes - 1
+        self._evaluation_passes += 1
+        return -self._evaluation_passes
 
     def _before_pass(self) -> None:
         self._failure.check()

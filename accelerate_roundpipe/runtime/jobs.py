@@ -17,7 +17,7 @@ HostTuple = tuple  # tuple of host tensors (None for "no gradient")
 class PassState:
     """One forward_backward / forward / backward call: its micro-batches and what its tasks leave behind."""
 
-    index: int  # pass number, also the RNG stream of every layer run in it
+    index: int  # pass number
     mode: Mode
     training: bool
     microbatch_rows: list[int]
@@ -35,6 +35,9 @@ class PassState:
     input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
     reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
     adapter_setting: tuple = ()  # PEFT's switches its forward ran with ([Note: adapter switches])
+    # The key of its layers' RNG streams: the count of training passes before it, or -(n + 1) for the n-th
+    # evaluation pass ([Note: RNG streams of passes] in device.py).
+    rng_stream: int = 0
 
     @property
     def num_microbatches(self) -> int:

@@ -185,7 +185,7 @@ class Worker:
         measure = _NO_PROFILE if profile is None else profile.measure(
             LayerRun.FORWARD_WITH_GRAPH if torch.is_grad_enabled() else LayerRun.FORWARD, layer_index, self.device,
             args)
-        with measure, self.device.rng(stream_seed(self.base_seed, job.state.index, layer_index, microbatch)):
+        with measure, self.device.rng(stream_seed(self.base_seed, job.state.rng_stream, layer_index, microbatch)):
             out = copy.module(*args)
         copy.check_stateless(before)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
