@@ -110,8 +110,9 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         if precision == "no":
             return
         if precision != "bf16":
-            raise ValueError(f"mixed_precision={precision!r} is not supported with RoundPipe (it needs loss scaling, "
-                             f"which the lagged optimizer does not do). Use mixed_precision='bf16', or set "
+            raise ValueError(f"mixed_precision={precision!r} is not supported with RoundPipe: fp16 needs loss scaling "
+                             f"(a GradScaler) and fp8 an autocast recipe, neither of which RoundPipe's workers and "
+                             f"CPU optimizer apply, in either step mode. Use mixed_precision='bf16', or set "
                              f"`param_dtype` (env ROUNDPIPE_PARAM_DTYPE) and mixed_precision='no'.")
         if self.roundpipe_plugin.param_dtype is None:
             self.roundpipe_plugin.param_dtype = torch.bfloat16

@@ -61,7 +61,8 @@ def check_training_args(args) -> None:
         "deepspeed": "RoundPipe replaces DeepSpeed",
         "parallelism_config": "RoundPipe replaces tensor/context parallelism",
         "torch_compile": "the engine runs each layer on its own workers, outside the compiled graph",
-        "fp16": "fp16 needs loss scaling, which the lagged optimizer does not do; use bf16 or roundpipe_param_dtype",
+        "fp16": ("fp16 needs loss scaling (a GradScaler), which RoundPipe's CPU optimizer does not apply, in either "
+                 "step mode; use bf16 (bfloat16 compute copies, float32 optimizer copies) or roundpipe_param_dtype"),
         "fp16_full_eval": "it casts the model in place; use roundpipe_param_dtype",
         "bf16_full_eval": "it casts the model in place; use roundpipe_param_dtype",
     }
