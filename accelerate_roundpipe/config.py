@@ -51,8 +51,9 @@ def knob(name: str) -> str:
 
 
 def _refusal(name: str, value: Any, allowed: str, from_env: bool) -> ValueError:
-    given = f"{ENV_PREFIX}{name.upper()}={value!r} in the environment" if from_env else f"got {value!r}"
-    return ValueError(f"{knob(name)} must be {allowed}; {given}.")
+    if from_env:  # as the user wrote it first: the variable may have been exported long ago, or by a launcher
+        return ValueError(f"{ENV_PREFIX}{name.upper()}={value!r} in the environment: {knob(name)} must be {allowed}.")
+    return ValueError(f"{knob(name)} must be {allowed}; got {value!r}.")
 
 
 @dataclass(frozen=True)

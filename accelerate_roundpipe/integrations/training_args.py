@@ -51,9 +51,23 @@ def _place_model_on_device(self) -> bool:
     return False  # the weights live in RoundPipe's host store
 
 
+def _check_then_post_init(self) -> None:
+    """The RoundPipe settings are checked here, where they are given ([Note: settings checked where given]): a
+    script that builds its arguments first fails before it loads or tokenizes anything, not inside `train()`."""
+    try:
+        plugin_from_training_args(self)
+    except ValueError as error:
+        given = ", ".join(f"{PREFIX}{f.name}={getattr(self, PREFIX + f.name)!r}" for f in dataclasses.fields(
+            RoundPipeConfig) if getattr(self, PREFIX + f.name) is not None)
+        raise ValueError(f"RoundPipeTrainingArguments({given or 'RoundPipe settings from the environment'}): "
+                         f"{error}") from error
+    TrainingArguments.__post_init__(self)
+
+
 RoundPipeTrainingArguments = dataclasses.make_dataclass(
     "RoundPipeTrainingArguments", _roundpipe_fields(), bases=(TrainingArguments,),
-    namespace={"place_model_on_device": property(_place_model_on_device), "__doc__": _docstring()})
+    namespace={"place_model_on_device": property(_place_model_on_device), "__post_init__": _check_then_post_init,
+               "__doc__": _docstring()})
 RoundPipeTrainingArguments.__module__ = __name__  # pickled into checkpoints (training_args.bin) by this name
 
 

@@ -143,9 +143,11 @@ def test_help_describes_every_command(capsys):
     assert exit_info.value.code == 2 and "usage: accelerate-roundpipe" in capsys.readouterr().out
 
 
-def test_launch_accepts_one_process_per_machine(tmp_path):
+def test_launch_accepts_one_process_per_machine(tmp_path, monkeypatch):
     """[Note: one process per machine]: --multi_gpu over machines, one process each, goes through; several
     processes on one machine only with CPU workers."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # the devices are checked where given: two GPUs
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     seen = _launched(["--roundpipe", "--multi_gpu", "--num_machines", "2", "--num_processes", "2", "--machine_rank",
                       "0", "--main_process_ip", "10.0.0.1", "--main_process_port", "29500", "train.py"],
                      env={"ROUNDPIPE_DEVICES": "cuda:0,cuda:1"})
