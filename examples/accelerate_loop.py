@@ -65,7 +65,7 @@ def main():
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 step += 1
-                if step % 10 == 0:
+                if step % 10 == 0 or step == args.steps:
                     accelerator.print(f"step {step:3d}  loss {loss.item():.4f}  grad norm {grad_norm:.3f}")
                 if step == args.steps:
                     break

@@ -1,7 +1,7 @@
 """LoRA on RoundPipe: a PEFT model trained with `RoundPipeTrainer`; only the adapters get optimizer state, and
 `save_model` writes the adapters alone. Then the adapters are loaded back onto a fresh base model and checked.
 
-    python examples/lora.py [--max_steps 40] [--output_dir /tmp/roundpipe_lora]
+    python examples/lora.py [--max_steps 40] [--logging_steps 10] [--output_dir /tmp/roundpipe_lora]
 """
 
 import argparse
@@ -18,6 +18,7 @@ from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets, tiny_ll
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max_steps", type=int, default=40)
+    parser.add_argument("--logging_steps", type=int, default=10)
     parser.add_argument("--output_dir", default="/tmp/roundpipe_lora")
     args = parser.parse_args()
 
@@ -32,7 +33,8 @@ def main():
 
     training_args = RoundPipeTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, learning_rate=1e-2,
-        logging_steps=10, save_strategy="no", report_to=[], dataloader_pin_memory=torch.cuda.is_available(),
+        logging_steps=args.logging_steps, save_strategy="no", report_to=[],
+        dataloader_pin_memory=torch.cuda.is_available(),
         roundpipe_devices=None if torch.cuda.is_available() else "cpu,cpu", roundpipe_num_microbatches=4)
     trainer = RoundPipeTrainer(model=model, args=training_args, train_dataset=train_dataset,
                                eval_dataset=eval_dataset, processing_class=tokenizer)

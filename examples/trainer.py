@@ -4,7 +4,7 @@ Everything is the usual Trainer set-up; the RoundPipe knobs are `roundpipe_*` tr
 variables). Runs offline on every GPU when present, else two CPU workers; saves a checkpoint half-way and the model
 at the end.
 
-    python examples/trainer.py [--max_steps 60] [--output_dir /tmp/roundpipe_trainer] [--resume]
+    python examples/trainer.py [--max_steps 60] [--logging_steps 10] [--output_dir /tmp/roundpipe_trainer] [--resume]
 """
 
 import argparse
@@ -19,6 +19,7 @@ from accelerate_roundpipe.tiny.data import build_tokenizer, lm_datasets, tiny_ll
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--logging_steps", type=int, default=10)
     parser.add_argument("--output_dir", default="/tmp/roundpipe_trainer")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output_dir")
     args = parser.parse_args()
@@ -30,7 +31,7 @@ def main():
     training_args = RoundPipeTrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
         gradient_accumulation_steps=2, learning_rate=2e-3, warmup_steps=10, lr_scheduler_type="cosine",
-        max_grad_norm=1.0, logging_steps=10, save_steps=args.max_steps // 2, eval_strategy="steps",
+        max_grad_norm=1.0, logging_steps=args.logging_steps, save_steps=args.max_steps // 2, eval_strategy="steps",
         eval_steps=args.max_steps // 2, report_to=[], dataloader_pin_memory=torch.cuda.is_available(),
         roundpipe_devices=None if torch.cuda.is_available() else "cpu,cpu",  # None: every visible GPU
         roundpipe_num_microbatches=4,
