@@ -178,3 +178,40 @@ def test_cli_prints_the_lowered_actions(capsys):
     actions = [Action.from_str(line) for line in printed if line.strip()]
     validate_actions(actions)
     assert sum(a.kind is ActionKind.COMPUTE for a in actions) > 8
+
+
+def test_dispatch_takes_each_tasks_input_and_receiver_from_the_lowering(monkeypatch):
+    """The engine's jobs are wired as the lowered schedule says: inputs are the outputs of the task its COMPUTE
+    waits for, the receiver is its SEND's, and the pass's outputs are those of the SENDs to the caller."""
+    import torch
+    from torch import nn
+
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+    from accelerate_roundpipe.runtime.dispatch import Dispatcher
+
+    enqueued = []
+    original = Dispatcher.enqueue
+
+    def recording(self, tasks, state, first_inputs):
+        jobs = original(self, tasks, state, first_inputs)
+        enqueued.append((tasks, state, jobs))
+        return jobs
+
+    monkeypatch.setattr(Dispatcher, "enqueue", recording)
+    torch.manual_seed(0)
+    engine = RoundPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]),
+                       RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=4, microbatches_per_round=2))
+    try:
+        engine.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
+        engine.synchronize()
+    finally:
+        engine.close()
+    (tasks, state, jobs), = enqueued
+    links = task_links(lower_schedule(tasks))
+    assert len({t.round_index for t in tasks}) == 2
+    for job, link in zip(jobs, links, strict=True):
+        assert job.next_worker == link.send_to
+        if link.source is not None:
+            assert job.inputs is jobs[link.source].outputs
+    last = [job for job, link in zip(jobs, links) if link.send_to is None]
+    assert [f for job in last for f in job.outputs] == state.outputs

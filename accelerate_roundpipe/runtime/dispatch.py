@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from ..config import RoundPipeConfig
+from ..plan.lowering import lower_schedule, task_links
 from ..plan.partition import Partition
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.trace import TraceRecorder
@@ -99,31 +100,36 @@ class Dispatcher:
         store = self.store
         reader = self._saved_input_readers(tasks, state.mode)
         state.keep_limit_bytes = self.plan.keep_limit_bytes
-        previous: dict[int, list[Future]] = {}
+        # Which task's outputs feed each task, and where its outputs go: the lowered schedule says it, not this loop
+        # ([Note: schedule lowering]).
+        links = task_links(lower_schedule(tasks))
+        outputs_of: list[list[Future]] = []  # per task, in schedule order
         jobs = []
         for index, task in enumerate(tasks):
             mbs = range(*task.microbatches)
-            inputs = previous.get(task.round_index)
-            if inputs is None:
+            link = links[index]
+            if link.source is None:  # the round's first task: its inputs are the caller's
                 inputs = [Future() for _ in mbs]
                 for future, mb in zip(inputs, mbs):
                     future.set(Payload(first_inputs[mb]))
+            else:
+                inputs = outputs_of[link.source]
             outputs = [Future(f"output of {task} micro-batch {mb}") for mb in mbs]
             buckets = store.buckets_of_layers(task.span.layers)
             reads = [(b, store.buckets[b].reads.reserve_read()) for b in buckets]
             grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
                      if task.needs_grad and store.buckets[b].trainable]
             faults.point("dispatch.enqueue")  # on the caller's thread, between reservation and submission
-            following = tasks[index + 1] if index + 1 < len(tasks) else None
-            next_worker = following.device_index if following and following.round_index == task.round_index else None
-            job = TaskJob(task, state, inputs, outputs, reads, grads, index, next_worker,
+            job = TaskJob(task, state, inputs, outputs, reads, grads, index, link.send_to,
                           keep_saved=frozenset(layer for layer in task.span.layers
                                                if reader.get((task.round_index, layer)) == task.device_index))
-            previous[task.round_index] = outputs
+            outputs_of.append(outputs)
             jobs.append(job)
             self._inflight.append(job.done)
             self.workers[task.device_index].num_queued += 1
             self.workers[task.device_index].queue.put(job)
-        state.outputs = [f for r in sorted(previous) for f in previous[r]]
+        last_of_rounds = sorted((i for i, link in enumerate(links) if link.send_to is None),
+                                key=lambda i: tasks[i].round_index)  # the tasks whose outputs go to the caller
+        state.outputs = [f for i in last_of_rounds for f in outputs_of[i]]
         self.next_device = (tasks[-1].device_index + 1) % len(self.devices)
         return jobs
