@@ -239,3 +239,19 @@ def test_evaluation_forwards_between_steps_change_no_dropout_mask():
         assert torch.equal(a, b), f"loss of step {k}: {a.item()!r} != {b.item()!r}"
     for name, weight in plain_weights.items():
         assert torch.equal(weight, eval_weights[name]), name
+
+
+def test_engine_state_keeps_both_pass_counts_and_reads_an_older_checkpoint():
+    """Resume draws on exactly: both counts are saved; a checkpoint from before they were counted apart keyed the
+    streams on every pass, so its pass count becomes the training count."""
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], num_microbatches=1, seed=5))
+    x, mask, _ = batch(rows=4)
+    engine.eval()
+    with torch.no_grad():
+        engine(x, mask)
+    state = engine.engine_state()
+    assert (state["training_passes"], state["evaluation_passes"], state["num_passes"]) == (0, 1, 1)
+    engine.load_engine_state({"seed": 5, "num_passes": 7, "next_device": 0})
+    state = engine.engine_state()
+    assert (state["training_passes"], state["evaluation_passes"]) == (7, 0)
+    engine.close()
