@@ -334,6 +334,10 @@ class RoundPipeConfig:
                 if value not in (0, 1):
                     raise _refusal(name, value, "a boolean (true or false)", name in from_env)
                 setattr(self, name, bool(value))
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
+                             "and this machine has none. Set pin_memory=False (--roundpipe_pin_memory false, "
+                             "ROUNDPIPE_PIN_MEMORY=0) or leave it unset.")
         self.param_dtype = to_dtype(self.param_dtype, knob("param_dtype"))
         self.optimizer_dtype = to_dtype(self.optimizer_dtype, knob("optimizer_dtype"))
         for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES)):

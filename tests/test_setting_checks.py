@@ -91,3 +91,12 @@ def test_an_unknown_or_unsupported_device_type_names_the_setting(devices):
     or 'mps'/'meta' accepted and failing later."""
     with pytest.raises(ValueError, match=r"devices \(--roundpipe_devices, env ROUNDPIPE_DEVICES\).*'cuda:N'.*'cpu'"):
         RoundPipeConfig(devices=devices)
+
+
+def test_pinned_memory_without_cuda_is_refused_at_construction():
+    """Before: accepted here and refused only when an engine was built."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"pin_memory \(env ROUNDPIPE_PIN_MEMORY\) is true.*ROUNDPIPE_PIN_MEMORY=0"):
+        RoundPipeConfig(devices=["cpu"], pin_memory=True)
+    assert RoundPipeConfig(devices=["cpu"], pin_memory="0").pin_memory is False
