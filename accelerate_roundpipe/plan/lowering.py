@@ -41,7 +41,7 @@ def lower_schedule(tasks: Sequence[Task]) -> list[Action]:
     commits_of_stage: dict[tuple[int, int], list[int]] = {}  # span -> ids of its COMMITs so far
 
     def add(kind: ActionKind, index: int, deps: Sequence[int] = (), to_device: int | None = None) -> int:
-        actions.append(Action(len(actions), kind, index, tasks[index], tuple(sorted(deps)), to_device))
+        actions.append(Action(len(actions), kind, index, tasks[index], tuple(deps), to_device))  # deps ascending
         return len(actions) - 1
 
     for index, task in enumerate(tasks):
