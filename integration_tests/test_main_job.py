@@ -38,6 +38,8 @@ def test_main_job_saves_its_model_and_leaves_no_empty_directories(tmp_path):
         timeout=300,
     )
     assert result.stderr.count("[roundpipe] RoundPipe is on: 2 worker(s) (cpu, cpu)") == 1
+    assert re.search(r"^held-out loss at the end: \d+\.\d+ ", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^step +5  held-out loss ", result.stdout, re.MULTILINE), result.stdout  # the curve on the way
     saved = re.search(r"^model saved to (\S+) ", result.stdout, re.MULTILINE)
     assert saved, result.stdout
     output_dir = saved.group(1)
