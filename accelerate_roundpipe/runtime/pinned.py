@@ -61,8 +61,9 @@ class CudaHostLocks:
 
 
 class _LockedBuffers:
-    """What a `HostMemory` locked, owned apart from it so that its finalizer can unlock them ([Note: unlock before
-    free]). Every change goes through the lock: the engine's threads allocate gradient buffers."""
+    """What a `HostMemory` locked, owned apart from it so that its finalizer can unlock them
+    ([Note: unlock before free]). Every change goes through the lock: the engine's threads allocate gradient
+    buffers."""
 
     def __init__(self, locks) -> None:
         self.locks = locks
