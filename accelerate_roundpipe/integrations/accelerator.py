@@ -41,6 +41,7 @@ from .data_parallel import (
     check_engine_data_parallel,
     check_one_process_per_machine,
     collective_device,
+    follow_wait_timeout,
     gather_claims,
     loss_kind,
     missing_shard_error,
@@ -81,7 +82,9 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         check_distributed_type(self.distributed_type, self.num_processes)
         if self.num_processes > 1:  # a collective: every rank constructs its accelerator
-            check_one_process_per_machine(gather_claims(self.roundpipe_plugin.resolved_devices()))
+            timeout_s = self.roundpipe_plugin.resolved_wait_timeout_s
+            follow_wait_timeout(timeout_s)  # [Note: collective timeouts]
+            check_one_process_per_machine(gather_claims(self.roundpipe_plugin.resolved_devices(), timeout_s))
         self._refuse_compilation()
         self._adopt_mixed_precision()
         self._roundpipe_engines: list[RoundPipe] = []
@@ -288,7 +291,8 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         return (f"_{index}" if index else "") + rank_suffix(self.process_index, self.num_processes)
 
     def _agreement(self) -> RankAgreement | None:
-        return RankAgreement() if self.num_processes > 1 else None
+        return RankAgreement(timeout_s=self.roundpipe_plugin.resolved_wait_timeout_s) if self.num_processes > 1 \
+            else None
 
     @contextlib.contextmanager
     def _optimizer_shards_aside(self):

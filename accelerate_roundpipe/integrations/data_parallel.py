@@ -28,15 +28,32 @@ instead AVERAGES, and scripts and the Trainer are written for that:
   as that global count.
 A loss mixing both kinds (the fused loss plus a term from logits of another pass) cannot be scaled right by one
 factor and is refused.
+
+[Note: collective timeouts]
+Every rank must raise within `wait_timeout_s` when another dies or stalls. The engine's own collectives run on
+groups made with that timeout ([Note: data parallel]); the others run on the default process group: those the
+integrations add (the GPU-claim check, the staged checkpoint's agreements) and HF's (the Trainer's gathers of the
+label count and the logged loss, its barriers, accelerate's `gather`). The default group is made before RoundPipe
+sees it (torchrun's script, accelerate's `PartialState`, `TrainingArguments` with its `ddp_timeout`, default
+1800 s), so `RoundPipeAccelerator` sets its timeout to `wait_timeout_s` when it is built (`follow_wait_timeout`):
+every collective on it then times out as the engine's do, whoever issues it. The ones the integrations issue or
+the Trainer issues per step are wrapped (`named_collective`) so that the error names the collective, the rank and
+its peer, instead of gloo's bare "Timed out waiting" or "Connection closed by peer".
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import socket
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
 
@@ -103,14 +120,15 @@ def check_one_process_per_machine(claims: list[tuple[str, list[str]]]) -> None:
                      f"process per GPU. {ONE_PROCESS_PER_MACHINE}")
 
 
-def gather_claims(devices: Iterable[torch.device | str]) -> list[tuple[str, list[str]]]:
+def gather_claims(devices: Iterable[torch.device | str], timeout_s: float | None = None) -> list[tuple[str, list[str]]]:
     """Every rank's (host, claimed GPUs), gathered over the default process group (a collective: all ranks call
     it)."""
     import torch.distributed as dist
 
     mine = (socket.gethostname(), claimed_gpus(devices))
     claims: list = [None] * dist.get_world_size()
-    dist.all_gather_object(claims, mine)
+    with named_collective("the comparison of the GPUs each rank claims (an all-gather)", timeout_s):
+        dist.all_gather_object(claims, mine)
     return claims
 
 
@@ -224,24 +242,113 @@ def missing_shard_error(directory: str, filename: str, rank: int, world_size: in
                              f"number of processes that wrote the checkpoint.")
 
 
+def written_by_another_world_size(directory: str, filename: str, rank: int,
+                                  world_size: int) -> tuple[list[str], int] | None:
+    """When `directory` holds no `filename` of this rank but that of a run with another number of processes: the
+    paths of that run's files, one per rank (the file itself for one process), and its number of processes
+    ([Note: shards of another world size]). None when this rank's own file is there, or no file is."""
+    if not os.path.isdir(directory) or os.path.isfile(os.path.join(directory, per_rank_name(filename, rank,
+                                                                                            world_size))):
+        return None
+    stem, ext = os.path.splitext(filename)
+    pattern = re.compile(re.escape(stem) + r"\.rank(\d+)-of-(\d+)" + re.escape(ext) + "$")
+    ranks_of: dict[int, set[int]] = {}
+    for name in os.listdir(directory):
+        if (match := pattern.match(name)) is not None:
+            ranks_of.setdefault(int(match[2]), set()).add(int(match[1]))
+    if os.path.isfile(os.path.join(directory, filename)):
+        ranks_of.setdefault(1, {0})
+    if not ranks_of:
+        return None
+    if len(ranks_of) > 1:
+        raise FileNotFoundError(f"{directory} holds {filename} files of runs with {sorted(ranks_of)} processes and "
+                                f"none of this one ({world_size}); keep the files of one run only.")
+    written, ranks = next(iter(ranks_of.items()))
+    missing = sorted(set(range(written)) - ranks)
+    if missing:
+        raise FileNotFoundError(f"{directory} holds the {filename} shards of a run with {written} processes, but not "
+                                f"those of rank(s) {missing}: resuming with another number of processes needs every "
+                                f"rank's shard ({per_rank_name(filename, missing[0], written)}, ...).")
+    return [os.path.join(directory, per_rank_name(filename, r, written)) for r in range(written)], written
+
+
 class RankAgreement:
     """All ranks agreeing that each succeeded: a MIN all-reduce of a flag, on the device the group's backend
     needs. Used around checkpoint writes so a rank that failed makes every rank fail instead of leaving them
-    waiting at a barrier."""
+    waiting at a barrier; a rank that died or stalled makes it raise, naming `when` ([Note: collective timeouts])."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, timeout_s: float | None = None) -> None:
         import torch.distributed as dist
 
         self.group = group
+        self.timeout_s = timeout_s  # the group's, for the error's advice (`follow_wait_timeout` set it)
         backend = dist.get_backend(group)
         self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
-    def all_ok(self, ok: bool) -> bool:
+    def all_ok(self, ok: bool, when: str = "") -> bool:
         import torch.distributed as dist
 
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        with named_collective(f"the ranks' agreement {when}".rstrip(), self.timeout_s):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
+
+
+# ---------------------------------------------------------------------- collective timeouts
+
+def follow_wait_timeout(timeout_s: float) -> None:
+    """Make the default process group's collectives time out after `timeout_s` ([Note: collective timeouts])."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:  # a torch without it: the group keeps the timeout it was made with
+        logger.warning("this torch cannot change the default process group's timeout: a rank that stalls stops the "
+                       "others only after the timeout the group was made with (TrainingArguments.ddp_timeout, "
+                       "accelerate's InitProcessGroupKwargs); set it to wait_timeout_s (%g s).", timeout_s)
+        return
+    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def peer_ranks(rank: int, world_size: int) -> str:
+    """The ranks a collective of `rank` waits on, in words: 'rank 1', or 'one of ranks [0, 2, 3]'."""
+    others = [r for r in range(world_size) if r != rank]
+    return f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+
+
+def collective_error(what: str, started: float, error: BaseException, timeout_s: float | None) -> RuntimeError:
+    """The error for a collective on the default process group that failed: which one, on which rank, after how
+    long, and what to look at (the runtime's `DataParallelGroup` words its own collectives' errors alike)."""
+    import torch.distributed as dist
+
+    from ..runtime.data_parallel import DataParallelError
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    limit = f"{timeout_s:g} s, " if timeout_s is not None else ""
+    return DataParallelError(
+        f"{what} across the {world_size} processes failed on rank {rank} after {time.monotonic() - started:.1f} s: "
+        f"{type(error).__name__}: {error}. The peer ({peer_ranks(rank, world_size)}) has probably failed, been "
+        f"killed or stalled for longer than the timeout ({limit}wait_timeout_s / ROUNDPIPE_WAIT_TIMEOUT_S, which "
+        f"the default process group follows under RoundPipe): look at the other ranks' errors.")
+
+
+@contextlib.contextmanager
+def named_collective(what: str, timeout_s: float | None) -> Iterator[None]:
+    """Around a collective on the default process group: its failure (gloo's timeout, a peer's closed connection)
+    raises `collective_error`, naming `what`."""
+    from ..runtime.data_parallel import DataParallelError
+
+    started = time.monotonic()
+    try:
+        yield
+    except DataParallelError:
+        raise
+    except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError subclasses
+        raise collective_error(what, started, error, timeout_s) from error
 
 
 def collective_device(state) -> torch.device:

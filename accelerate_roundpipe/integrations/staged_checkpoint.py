@@ -15,8 +15,11 @@ With several ranks ([Note: one process per machine]) every rank writes into the 
 optimizer shard, its RNG state), so one rank, the writer, prepares and renames it, and the ranks agree three times:
 the directory is clean before anyone writes, everyone wrote before the rename (a rank that raised says so, and then
 every rank raises and the writer discards the directory), and the rename is done before anyone goes on. Agreeing
-is an all-reduce that a failing rank joins too, so a failure never leaves the others waiting at a barrier. The
-ranks must see one filesystem (or save on each node: then each node's first process is that node's writer).
+is an all-reduce that a failing rank joins too, so a failure never leaves the others waiting at a barrier. A rank
+that dies or stalls instead makes the agreement itself fail on the others, within `wait_timeout_s` ([Note: collective
+timeouts]), with an error naming the checkpoint and the peer; the writer discards the directory then too (only a
+killed writer leaves its `tmp-checkpoint-N/`). The ranks must see one filesystem (or save on each node: then each
+node's first process is that node's writer).
 """
 
 from __future__ import annotations
@@ -37,16 +40,19 @@ def staging_run_dir(final: str) -> str:
 
 
 class Agreement(Protocol):
-    """What the ranks of a multi-process save agree through (`data_parallel.RankAgreement`)."""
+    """What the ranks of a multi-process save agree through (`data_parallel.RankAgreement`): True when every rank
+    said ok; an error naming `when` and the peer when the agreement itself fails (a rank died or stalled past the
+    timeout, [Note: collective timeouts])."""
 
-    def all_ok(self, ok: bool) -> bool: ...
+    def all_ok(self, ok: bool, when: str) -> bool: ...
 
 
 @contextlib.contextmanager
 def staged(final: str, agreement: Agreement | None = None, is_writer: bool = True) -> Iterator[str]:
     """Yield the staging run directory; the checkpoint written as `<staging>/<name of final>` is moved to `final`
     when the block ends without an error, and discarded when it raises. With `agreement` (several ranks), every
-    rank enters and leaves together, and only `is_writer` prepares, renames and discards."""
+    rank enters and leaves together, and only `is_writer` prepares, renames and discards; a rank lost on the way
+    (its agreement fails) discards it too."""
     staging = staging_run_dir(final)
 
     def prepare() -> None:
@@ -54,36 +60,67 @@ def staged(final: str, agreement: Agreement | None = None, is_writer: bool = Tru
             shutil.rmtree(staging, ignore_errors=True)  # left by a process killed mid-save
             os.makedirs(staging)
 
-    together(agreement, prepare, f"before writing the checkpoint {final}")
+    def discard() -> None:
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    together(agreement, prepare, f"before writing the checkpoint {final}", undo=discard)
     try:
         yield staging
-    except BaseException:
-        if agreement is not None:
-            agreement.all_ok(False)
-        if is_writer:
-            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as error:
+        try:  # after the agreement: the other ranks may still be writing into the directory until then
+            if agreement is not None:
+                _say_failed(agreement, f"while writing the checkpoint {final} (discarded)", error)
+        finally:
+            discard()
         raise
-    if agreement is not None and not agreement.all_ok(True):
-        if is_writer:
-            shutil.rmtree(staging, ignore_errors=True)
+    try:
+        everyone = agreement is None or agreement.all_ok(True, f"after writing the checkpoint {final} (discarded)")
+    except BaseException:
+        discard()
+        raise
+    if not everyone:
+        discard()
         raise RuntimeError(f"another rank failed while writing the checkpoint {final}; it was discarded (see that "
                            f"rank's error)")
     # Nobody reads the checkpoint or starts the next save before the rename.
     together(agreement, (lambda: _move_into_place(staging, final)) if is_writer else (lambda: None),
-              f"while moving the checkpoint {final} into place")
+             f"while moving the checkpoint {final} into place")
 
 
-def together(agreement: Agreement | None, action, when: str) -> None:
+def together(agreement: Agreement | None, action, when: str, undo=None) -> None:
     """Run `action` here, then agree with the other ranks that each did; a rank whose action raised still joins
-    the agreement (saying it failed), so nobody waits for it."""
+    the agreement (saying it failed), so nobody waits for it. `undo` runs when this rank or another failed."""
     try:
         action()
-    except BaseException:
-        if agreement is not None:
-            agreement.all_ok(False)
+    except BaseException as error:
+        try:
+            if agreement is not None:
+                _say_failed(agreement, when, error)
+        finally:
+            if undo is not None:
+                undo()
         raise
-    if agreement is not None and not agreement.all_ok(True):
+    try:
+        everyone = agreement is None or agreement.all_ok(True, when)
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
+    if not everyone:
+        if undo is not None:
+            undo()
         raise RuntimeError(f"another rank failed {when} (see that rank's error)")
+
+
+def _say_failed(agreement: Agreement, when: str, error: BaseException) -> None:
+    """Tell the other ranks this one failed. When that agreement fails too, a peer is gone as well, and this rank's
+    error may only be its consequence (a barrier of the Trainer's that the peer left): raise the agreement's
+    error, which names the peer and the checkpoint, with this rank's error as its cause."""
+    try:
+        agreement.all_ok(False, when)
+    except BaseException as lost:
+        raise lost from error
 
 
 def _move_into_place(staging: str, final: str) -> None:

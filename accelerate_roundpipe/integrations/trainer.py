@@ -42,9 +42,11 @@ from .data_parallel import (
     RankAgreement,
     loss_kind,
     missing_shard_error,
+    named_collective,
     per_rank_name,
     rank_suffix,
     trainer_loss_multiplier,
+    written_by_another_world_size,
 )
 from .grad_norm import LateGradNorm
 from .staged_checkpoint import staged
@@ -168,6 +170,42 @@ class RoundPipeTrainer(Trainer):
         # The token count the loss is scaled by stays on the host too (else it goes to the GPU and back each step).
         return super().get_batch_samples(epoch_iterator, num_batches, torch.device("cpu"))
 
+    # ------------------------------------------------------------------ the Trainer's own collectives
+
+    @property
+    def _wait_timeout_s(self) -> float:
+        return self.roundpipe_plugin.resolved_wait_timeout_s
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """The Trainer's per-step all-gather of the label count, named when it fails ([Note: collective
+        timeouts])."""
+        if self.args.world_size <= 1:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        with named_collective("the Trainer's all-gather of the batch's label count (num_items_in_batch)",
+                              self._wait_timeout_s):
+            return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        """The Trainer's all-gather of the logged loss, named when it fails ([Note: collective timeouts]): the
+        module-level `nested_gather` it calls is swapped for this call (on this thread), as the Accelerator class
+        is in `create_accelerator_and_postprocess`."""
+        if self.args.world_size <= 1:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        import transformers.trainer as trainer_module
+
+        original, timeout_s = trainer_module.nested_gather, self._wait_timeout_s
+
+        def named_gather(tensors, *more, **options):
+            with named_collective("the Trainer's all-gather of the training loss it logs (nested_gather)",
+                                  timeout_s):
+                return original(tensors, *more, **options)
+
+        trainer_module.nested_gather = named_gather
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            trainer_module.nested_gather = original
+
     # ------------------------------------------------------------------ live metrics
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -277,7 +315,7 @@ class RoundPipeTrainer(Trainer):
             engine.synchronize()
         run_dir = super()._get_output_dir(trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        agreement = RankAgreement() if self.args.world_size > 1 else None
+        agreement = RankAgreement(timeout_s=self._wait_timeout_s) if self.args.world_size > 1 else None
         with staged(final, agreement, is_writer=self.args.should_save) as staging:
             self._staging_run_dir = staging
             try:
@@ -324,13 +362,43 @@ class RoundPipeTrainer(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if self.args.world_size > 1:
+        from transformers.trainer import OPTIMIZER_NAME
+
+        suffix = self._rank_suffix()
+        other = written_by_another_world_size(checkpoint, OPTIMIZER_NAME, self.args.process_index,
+                                              self.args.world_size) if checkpoint is not None else None
+        if other is not None:  # [Note: shards of another world size]
+            paths, written = other
+            self._load_optimizer_of_another_world_size(checkpoint, paths, written)
+            suffix = rank_suffix(0, written)  # the weights and the engine state are the same on every rank
+        elif self.args.world_size > 1:
             self._load_optimizer_shard(checkpoint)
         else:
             super()._load_optimizer_and_scheduler(checkpoint)
         engine = self.roundpipe_engine
         if checkpoint is not None and engine is not None:
-            load_engine_extras(engine, checkpoint, suffix=self._rank_suffix())
+            load_engine_extras(engine, checkpoint, suffix=suffix)
+
+    def _load_optimizer_of_another_world_size(self, checkpoint: str, paths: list[str], written: int) -> None:
+        """The optimizer state a run with `written` processes saved, loaded into this one's: the shards of all its
+        ranks joined into the one-process state, of which each rank here takes its range."""
+        from transformers.trainer import SCHEDULER_NAME
+
+        if not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            return  # as the Trainer: nothing to resume (e.g. save_only_model)
+        lagged = getattr(self.optimizer, "optimizer", self.optimizer)
+        states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+        logger.info("Resuming the optimizer state of a run with %d process(es) on %d: %s", written,
+                    self.args.world_size, ", ".join(os.path.basename(p) for p in paths))
+        if written == 1:
+            self.optimizer.load_state_dict(states[0])
+        elif hasattr(lagged, "load_shards"):
+            lagged.load_shards(states)
+        else:
+            raise ValueError(f"{checkpoint} holds the optimizer shards of {written} processes, which only a "
+                             f"RoundPipe model's optimizer can join; this run has {self.args.world_size}: resume "
+                             f"with {written} processes.")
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_optimizer_shard(self, checkpoint: str | None) -> None:
         from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME

@@ -25,7 +25,7 @@ from . import faults
 from .data_parallel import DataParallelError, DataParallelGroup
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
-from .shards import BucketShard, ShardedSteps
+from .shards import BucketShard, ShardedSteps, full_state_of_shards
 from .step_norm import PendingGradNorm, StepNorm, kernel_grad_scale
 from .sync import FailureFlag, SerialExecutor, wait_for_any_turn
 
@@ -458,6 +458,13 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         prefer_fused(self.inner)
+
+    def load_shards(self, shards: list[dict[str, Any]]) -> None:
+        """The optimizer state of a data-parallel run with any number of processes, from the shards of all its
+        ranks (each rank's `state_dict()`): joined into the one-process state, which this optimizer loads (cutting
+        its own range under data parallelism) ([Note: shards of another world size])."""
+        self.synchronize()
+        self.load_state_dict(full_state_of_shards(shards, self.store, self.inner))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("add parameter groups to the optimizer before engine.wrap_optimizer(...).")

@@ -1,5 +1,16 @@
 """This rank's share of the optimizer step under data parallelism: its range of every trainable bucket, an
-optimizer of the user's class over views of those ranges, and that shard's state dict ([Note: data parallel])."""
+optimizer of the user's class over views of those ranges, and that shard's state dict ([Note: data parallel]).
+
+[Note: shards of another world size]
+A shard's state dict carries its layout: per parameter of the shard optimizer, the bucket, the parameter's name and
+the element range `[start, end)` of that parameter it holds. The shards of every rank of one run together cover
+every element of every stepped parameter once, so they join into the state dict ONE process's optimizer would
+have (`full_state_of_shards`: element-wise tensors concatenated in range order, step counts taken as they are, the
+same on every rank), whatever the padding or the world size that cut them. That full state then loads anywhere: one
+process loads it as it is, N processes each cut their own range from it (`ShardedSteps._shard_of_full`). So a
+checkpoint written by M processes resumes on any number (`LaggedOptimizer.load_shards`); one rank's shard alone is
+still refused by `load_state_dict` at another world size: it holds a part of the state only.
+"""
 
 from __future__ import annotations
 
@@ -152,3 +163,67 @@ class ShardedSteps:
             groups.append(dict(self._hyper(saved), params=list(range(first, first + len(mine["params"])))))
             first += len(mine["params"])
         return {"state": state, "param_groups": groups}
+
+
+def full_state_of_shards(shards: list[dict[str, Any]], store: HostStore,
+                         user: torch.optim.Optimizer) -> dict[str, Any]:
+    """The one-process state dict of `user` (its own format, over the optimizer copies of `store`) that the shards
+    of every rank of one data-parallel run hold together ([Note: shards of another world size])."""
+    metas = [state.get("data_parallel") if isinstance(state, dict) else None for state in shards]
+    if any(meta is None for meta in metas):
+        raise ValueError("full_state_of_shards takes the optimizer state of every rank of a data-parallel run (each "
+                         "rank's `optimizer.state_dict()`); one of them is not a shard.")
+    world_sizes = sorted({meta["world_size"] for meta in metas})
+    ranks = sorted(meta["rank"] for meta in metas)
+    if len(world_sizes) != 1 or ranks != list(range(world_sizes[0])):
+        raise DataParallelError(
+            f"these optimizer shards are ranks {ranks} of runs with {world_sizes} data-parallel processes; loading "
+            f"them into another number of processes needs the shard of every rank of one run (all of its "
+            f"`optimizer.rank<r>-of-<n>` files).")
+    # Per parameter (slot name), its pieces across the ranks: (start, end, that piece's state or None).
+    pieces: dict[str, list[tuple[int, int, dict[str, Any] | None]]] = {}
+    for state in shards:
+        saved = state["shard"]["state"]
+        for index, (_, name, start, end) in enumerate(state["data_parallel"]["layout"]):
+            pieces.setdefault(name, []).append((start, end, saved.get(index)))
+    name_of = {id(slot.optim): slot.name for bucket in store.trainable_buckets for slot in bucket.slots}
+    params = [p for group in user.param_groups for p in group["params"]]
+    full: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        got = sorted(pieces.pop(name_of[id(param)], []), key=lambda piece: piece[0])
+        if all(values is None for _, _, values in got):
+            continue  # never stepped (or no piece): no state, as on one process
+        name = name_of[id(param)]
+        bounds = [(start, end) for start, end, _ in got]
+        covered = bounds[0][0] == 0 and bounds[-1][1] == param.numel() and \
+            all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        if not covered or any(values is None for _, _, values in got):
+            raise DataParallelError(
+                f"the optimizer shards do not hold the whole state of parameter {name} ({param.numel()} elements; "
+                f"they hold {bounds}): another model or another parameter grouping saved them. Resume with the "
+                f"model and optimizer groups that saved them.")
+        full[index] = {key: _joined(key, [(end - start, values) for start, end, values in got], param)
+                       for key in got[0][2]}
+    if pieces:
+        raise DataParallelError(
+            f"the optimizer shards hold state for {len(pieces)} parameter(s) this optimizer does not step (e.g. "
+            f"{next(iter(pieces))}): another model or another parameter grouping saved them.")
+    saved_groups = shards[0]["shard"]["param_groups"]
+    if len(saved_groups) != len(user.param_groups):
+        raise DataParallelError(f"the optimizer shards have {len(saved_groups)} parameter groups, this optimizer "
+                                f"{len(user.param_groups)}: build it with the groups that saved them.")
+    groups, first = [], 0
+    for saved, mine in zip(saved_groups, user.param_groups):
+        groups.append(dict(ShardedSteps._hyper(saved), params=list(range(first, first + len(mine["params"])))))
+        first += len(mine["params"])
+    return {"state": full, "param_groups": groups}
+
+
+def _joined(key: str, parts: list[tuple[int, dict[str, Any]]], param: torch.Tensor) -> Any:
+    """One state entry of a whole parameter from its pieces': element-wise tensors (a moment) are concatenated in
+    range order; anything else (a step count) is the same on every rank and taken from the first."""
+    first = parts[0][1][key]
+    if torch.is_tensor(first) and first.dim() > 0 and all(
+            values[key].numel() == length for length, values in parts):
+        return torch.cat([values[key].reshape(-1) for _, values in parts]).reshape(param.shape).clone()
+    return first.clone() if torch.is_tensor(first) else first

@@ -179,3 +179,16 @@ def test_trainer_loss_scaling_paths(assets, tmp_path, extra):
     assert_close_lists([e["loss"] for e in ours], [e["loss"] for e in theirs], f"losses with {' '.join(extra)}")
     assert_close_lists([e["grad_norm"] for e in ours], [e["grad_norm"] for e in theirs], "grad norms")
     assert_same_weights(two, one)
+
+
+def test_trainer_resumes_a_two_process_checkpoint_on_one_process(assets, trainer_runs, tmp_path):
+    # [Note: shards of another world size]: the two ranks' optimizer shards join into the one-process state, so the
+    # resumed run ends as the uninterrupted one-process run (a fresh AdamW state would not).
+    one, two = trainer_runs
+    resumed = str(tmp_path / "resumed")
+    checkpoint = os.path.join(two, f"checkpoint-{SAVE_AT}")
+    one_process(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH, "--resume_from_checkpoint",
+                                                 checkpoint), str(tmp_path))
+    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
+    assert_close_lists(after, [e["loss"] for e in trainer_log(one) if e["step"] > SAVE_AT], "resumed on one process")
+    assert_same_weights(resumed, one)
