@@ -21,7 +21,7 @@ __all__ = [
 
 # The ways in (accelerate_roundpipe.integrations), imported on first use: they pull in accelerate and transformers.
 _INTEGRATION_EXPORTS = ("RoundPipePlugin", "RoundPipeAccelerator", "RoundPipeTrainer", "RoundPipeTrainingArguments",
-                        "RoundPipeSFTTrainer", "RoundPipeDPOTrainer")
+                        "RoundPipeSFTTrainer", "RoundPipeDPOTrainer", "CheckpointError")
 __all__ += list(_INTEGRATION_EXPORTS)
 
 

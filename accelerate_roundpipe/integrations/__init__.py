@@ -17,6 +17,7 @@ _EXPORTS = {
     "RoundPipeTrainingArguments": ".training_args",
     "RoundPipeSFTTrainer": ".trl",
     "RoundPipeDPOTrainer": ".trl",
+    "CheckpointError": ".checkpoint_files",
 }
 
 __all__ = list(_EXPORTS)

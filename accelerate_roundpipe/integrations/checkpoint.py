@@ -1,43 +1,52 @@
 """Saving and loading RoundPipe models inside accelerate/Trainer checkpoints.
 
-Three things differ from a plain model:
+What differs from a plain model:
 
 - The module's tensors are views of one flat host buffer per layer. accelerate's safetensors writer takes tensors
   sharing a storage for tied weights and drops all but one, so `detached_state_dict` hands out copies (tied weights
   stay tied: one copy per distinct view).
 - Loading into the module writes only the compute copies; `EngineWeights` routes accelerate's loader through
   `engine.load_state_dict`, which also refreshes the optimizer copies.
-- With a low-precision compute copy (e.g. `param_dtype=bfloat16`), the saved model weights are rounded; the fp32
-  optimizer copies are saved beside them (`OPTIMIZER_COPIES_FILE`) so a resume continues from the exact values.
+- With a low-precision compute copy (e.g. `param_dtype=bfloat16`), the model weights are saved in the model's own
+  dtype from the optimizer copies ([Note: saved model dtype]), but loading them goes through the compute copies,
+  rounding them; so the fp32 optimizer copies are saved beside them (`OPTIMIZER_COPIES_FILE`) and a resume
+  continues from the exact values.
 - The engine's RNG streams (dropout masks) and dispatch position are saved too (`ENGINE_STATE_FILE`), so a resumed
-  run draws the same masks as an uninterrupted one.
+  run draws the same masks as an uninterrupted one. Each of these files is checked when read back
+  ([Note: checkpoint files]).
 
 Every function synchronizes the engine first: the lagged step is flushed before anything is read or written.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections import OrderedDict
 
 import torch
 
 from ..runtime import RoundPipe
-
-OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
-# The weights the next pass computes with under the lagged step, one step older than the saved model
-# ([Note: looking changes nothing]): a resume then follows the uninterrupted run exactly.
-LAGGED_WEIGHTS_FILE = "roundpipe_lagged_weights{suffix}.safetensors"
-ENGINE_STATE_FILE = "roundpipe_engine_state{suffix}.json"
+from ..runtime.saved_weights import model_dtype_parameters
+from .checkpoint_files import (  # noqa: F401 - the file names, imported from here too
+    ENGINE_STATE_FILE,
+    LAGGED_WEIGHTS_FILE,
+    OPTIMIZER_COPIES_FILE,
+    file_paths,
+    read_engine_extras,
+    write_engine_state,
+)
 
 
 def detached_state_dict(engine: RoundPipe) -> OrderedDict[str, torch.Tensor]:
-    """The module's state dict (newest weights), each distinct tensor copied out of the host store once."""
+    """The module's state dict (newest weights, in the model's own dtype: [Note: saved model dtype]), each distinct
+    tensor copied out of the host store once."""
     state = engine.state_dict()  # synchronizes
+    made = model_dtype_parameters(engine)  # new tensors already: not copied again
     copies: dict[tuple, torch.Tensor] = {}
     out = OrderedDict()  # as `state_dict()` returns: accelerate removes tied duplicates only from an OrderedDict
     for name, tensor in state.items():
+        if name in made:
+            out[name] = made[name]
+            continue
         key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         if key not in copies:
             copies[key] = tensor.detach().clone()
@@ -72,31 +81,32 @@ def save_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> N
     from safetensors.torch import save_file
 
     engine.synchronize()
-    with open(os.path.join(directory, ENGINE_STATE_FILE.format(suffix=suffix)), "w") as f:
-        json.dump(engine.engine_state(), f)
+    state_path, copies_path, lagged_path = file_paths(directory, suffix)
+    written = []
     lagged = engine.lagged_weights()
     if lagged:
-        save_file(lagged, os.path.join(directory, LAGGED_WEIGHTS_FILE.format(suffix=suffix)))
-    if not has_low_precision_compute(engine):
-        return
-    tensors = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
-    save_file(tensors, os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix)))
+        save_file(lagged, lagged_path)
+        written.append(lagged_path)
+    if has_low_precision_compute(engine):
+        tensors = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
+        save_file(tensors, copies_path)
+        written.append(copies_path)
+    # Last, listing the others: a save cut short leaves no engine state, and a resume says so
+    # ([Note: checkpoint files]).
+    write_engine_state(state_path, engine.engine_state(), written)
 
 
 def load_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> None:
-    """Restore what `save_engine_extras` wrote (each part only if present)."""
-    state_path = os.path.join(directory, ENGINE_STATE_FILE.format(suffix=suffix))
-    if os.path.isfile(state_path):
-        with open(state_path) as f:
-            engine.load_engine_state(json.load(f))
-    from safetensors.torch import load_file
-
-    path = os.path.join(directory, OPTIMIZER_COPIES_FILE.format(suffix=suffix))
-    if os.path.isfile(path):
-        engine.load_optimizer_copies(load_file(path))
-    path = os.path.join(directory, LAGGED_WEIGHTS_FILE.format(suffix=suffix))
-    if os.path.isfile(path):  # last: loading weights forgets what the next pass would have computed with
-        engine.load_lagged_weights(load_file(path))
+    """Restore what `save_engine_extras` wrote (each part only if written). Every file is read and checked first:
+    one missing, damaged or of another model raises `CheckpointError` before anything is loaded
+    ([Note: checkpoint files])."""
+    extras = read_engine_extras(engine, directory, suffix)
+    if extras.engine_state is not None:
+        engine.load_engine_state(extras.engine_state)
+    if extras.optimizer_copies is not None:
+        engine.load_optimizer_copies(extras.optimizer_copies)
+    if extras.lagged_weights is not None:  # last: loading weights forgets what the next pass would have computed with
+        engine.load_lagged_weights(extras.lagged_weights)
 
 
 def refresh_optimizer_copies(engine: RoundPipe) -> None:

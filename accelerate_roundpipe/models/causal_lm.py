@@ -16,6 +16,7 @@ is patched to route through the engine, so code holding the model keeps working:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
+from ..runtime.saved_weights import model_dtype, model_dtype_state_dict
 from .kernels import apply_fused_kernels
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
@@ -184,8 +186,33 @@ class CausalLMRoundPipe(RoundPipe):
         return original_generate(*args, **kwargs)
 
     def _save_pretrained(self, *args, **kwargs):
+        """The model's own `save_pretrained`, after the lagged step is flushed, writing the model in its own dtype
+        from the optimizer copies, not the narrower compute copies ([Note: saved model dtype])."""
         self.synchronize()
-        return type(self.module).save_pretrained(self.module, *args, **kwargs)
+        if kwargs.get("state_dict") is None and len(args) < 3:  # the caller's own state dict is saved as given
+            kwargs["state_dict"] = model_dtype_state_dict(self)
+        result = type(self.module).save_pretrained(self.module, *args, **kwargs)
+        self._config_shows_model_dtype(args[0] if args else kwargs.get("save_directory"),
+                                       kwargs.get("is_main_process", args[1] if len(args) > 1 else True))
+        return result
+
+    def _config_shows_model_dtype(self, directory, is_main_process) -> None:
+        """HF's `save_pretrained` sets `config.dtype` from the parameters, i.e. the compute copies: say the model's
+        own dtype instead, in memory and in the `config.json` it wrote."""
+        from transformers import PreTrainedModel
+
+        model, dtype = self.module, model_dtype(self)
+        config = getattr(model, "config", None)
+        if not isinstance(model, PreTrainedModel) or dtype is None or config is None:
+            return  # PEFT writes no dtype (adapter weights only)
+        name = str(dtype).removeprefix("torch.")
+        if getattr(config, "dtype", None) == name:
+            return
+        config.dtype = name
+        written = os.path.join(os.fspath(directory), "config.json") if directory is not None else None
+        if is_main_process and written and os.path.isfile(written) and not getattr(model, "_hf_peft_config_loaded",
+                                                                                    False):
+            config.save_pretrained(directory)
 
     def close(self) -> None:
         """Stop the engine and give the model back its own forward, generate and save_pretrained."""

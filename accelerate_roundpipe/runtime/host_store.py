@@ -57,6 +57,8 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     optim: nn.Parameter | None = None  # the optimizer copy (trainable only)
+    # The dtype the parameter had before the store took it over: what a saved model holds ([Note: saved model dtype]).
+    model_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -329,7 +331,8 @@ class HostStore:
     def _make_bucket(self, index, layer_ids, trainable, dtype, optimizer_dtype, members, names) -> Bucket:
         slots, offset = [], 0
         for p in members:
-            slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape))
+            slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape,
+                                   model_dtype=p.dtype))
             offset += _align(p.numel())
         compute = self.memory.zeros(_align(max(offset, 1), self.pad_multiple if trainable else 1), dtype)
         optim = grad = None
