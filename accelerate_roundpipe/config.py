@@ -2,7 +2,8 @@
 
 This is the one module that reads the environment. `None` on a field means "the caller said nothing": the
 `ROUNDPIPE_<FIELD>` variable is used when set, otherwise the documented default. An explicit argument beats the
-environment, and the environment beats the default. Strings are normalised to their final types here, once.
+environment, and the environment beats the default. Strings are normalised to their final types here, once, and
+a value no engine could run is refused here, at construction ([Note: settings checked where given]).
 """
 
 from __future__ import annotations

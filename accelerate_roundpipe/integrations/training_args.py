@@ -3,7 +3,8 @@
 The `roundpipe_*` fields are generated from `RoundPipeConfig`'s fields, so a knob added to the engine appears here
 (as a `--roundpipe_<field>` flag of `HfArgumentParser`, with the engine's help text) without a second list to keep
 in sync. `None`, the default, defers to the `ROUNDPIPE_<FIELD>` environment variable, then to the engine default.
-Lists (devices, stage sizes) are comma-separated strings and dtypes are names, as in the environment.
+Lists (devices, stage sizes) are comma-separated strings and dtypes are names, as in the environment. The values
+are checked when the arguments are built ([Note: settings checked where given]).
 """
 
 from __future__ import annotations
