@@ -351,7 +351,7 @@ class RoundPipeConfig:
         self.forward_stages = _int_list(self.forward_stages, "forward_stages", "forward_stages" in from_env)
         self.backward_stages = _int_list(self.backward_stages, "backward_stages", "backward_stages" in from_env)
 
-    # Resolved values: what the engine actually uses.
+    # Resolved values: what the engine actually uses, and the defaults the docs state (tests/test_docs_defaults.py).
     def resolved_devices(self) -> list[torch.device]:
         """The workers; named CUDA devices are checked against what this machine has (an engine asks once)."""
         if self.devices is not None:
@@ -385,3 +385,15 @@ class RoundPipeConfig:
     @property
     def resolved_wait_timeout_s(self) -> float:
         return 600.0 if self.wait_timeout_s is None else self.wait_timeout_s
+
+    @property
+    def resolved_async_warmup_steps(self) -> int:
+        return 0 if self.async_warmup_steps is None else self.async_warmup_steps
+
+    @property
+    def resolved_kernels(self) -> str:
+        return self.kernels or "auto"
+
+    @property
+    def resolved_head_shards(self) -> int | str:
+        return 1 if self.head_shards is None else self.head_shards

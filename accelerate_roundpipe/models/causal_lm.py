@@ -59,7 +59,7 @@ class CausalLMRoundPipe(RoundPipe):
     def __init__(self, model: nn.Module, config: RoundPipeConfig | None = None, *,
                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, allow_short_batches: bool = False) -> None:
         config = config if config is not None else RoundPipeConfig()
-        kernels_applied = apply_fused_kernels(model, config.kernels or "auto", config.resolved_devices())
+        kernels_applied = apply_fused_kernels(model, config.resolved_kernels, config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens,
                                 head_shards=resolve_head_shards(config, getattr(model, "config", None)))
         if config.mlp_chunk_tokens is not None:

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 def resolve_head_shards(config: RoundPipeConfig, model_config) -> int:
     """`config.head_shards` as a count: 1 when unset; for "auto", the count the planner picks from the model's
     FLOPs (`plan.head_split.head_shards_for`) for the configured devices and micro-batches per task."""
-    value = config.head_shards or 1
+    value = config.resolved_head_shards
     if value != "auto" or model_config is None:  # no config: not an HF model, which `split_causal_lm` refuses
         count = 1 if value == "auto" else value
     else:

@@ -240,7 +240,7 @@ class RoundPipe(nn.Module):
         self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
                                                      self.config.resolved_async_optimizer,
                                                      deferred_passes=self._deferred, trace=self.trace,
-                                                     exact_steps_first=self.config.async_warmup_steps or 0,
+                                                     exact_steps_first=self.config.resolved_async_warmup_steps,
                                                      data_parallel=self.data_parallel)
         self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
         return self.optimizer
