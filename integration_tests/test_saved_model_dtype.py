@@ -53,3 +53,31 @@ def test_bf16_run_saves_the_float32_model_like_the_plain_trainer(data, tmp_path)
     # Saving changed nothing the run computes with, nor what the user's model says it is.
     assert engine.module.dtype == torch.bfloat16 and engine.module.config.dtype == plain.model.config.dtype
     close(ours)
+
+
+def test_lora_adapters_are_saved_from_their_float32_optimizer_copies(data, tmp_path):  # noqa: F811
+    """PEFT's `save_pretrained` under bfloat16 compute copies writes the adapters as the float32 values trained."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from test_roundpipe_trainer import make_model
+
+    from accelerate_roundpipe import RoundPipeConfig, wrap_model
+
+    tokenizer, train, _ = data
+    model = get_peft_model(make_model(len(tokenizer)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, param_dtype="bfloat16"))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad], lr=1e-2))
+    model.train()
+    for rows in (slice(0, 4), slice(4, 8)):
+        engine.forward_backward(**{k: torch.tensor(v) for k, v in train[rows].items()})
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    copies = {name: p.detach().clone() for name, p in engine.named_parameters() if p.requires_grad}
+    model.save_pretrained(str(tmp_path))
+    saved = load_file(os.path.join(str(tmp_path), "adapter_model.safetensors"))
+    assert len(saved) == len(copies) and model.dtype == torch.bfloat16
+    for name, tensor in saved.items():
+        trained = copies[name.replace(".weight", ".default.weight")]
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, trained), name
+    engine.close()
