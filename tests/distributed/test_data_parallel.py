@@ -118,3 +118,19 @@ def test_peft_lora_trains_as_one_process_across_ranks(tmp_path):
     reference = str(tmp_path / "lora_reference.pt")
     dp_scenarios.lora_reference(reference)
     run_ranks(dp_scenarios.lora_counts_the_global_batch, 2, reference, timeout_s=180)
+
+
+def test_a_one_process_engine_loads_every_ranks_shard_as_the_one_process_state(two_rank_checkpoint):
+    # [Note: shards of another world size]: both ranks' step-3 shards join into plain AdamW's state after 3 steps.
+    path, _ = two_rank_checkpoint
+    model = dp_scenarios.tied_model()
+    reference = dp_scenarios.reference_run(model, dp_scenarios.global_batches(5, 11)[:3], async_optimizer=False,
+                                           clip=True)[4].state_dict()
+    engine, optimizer = dp_scenarios.make_engine(model)
+    optimizer.load_shards([torch.load(path.format(rank=rank)) for rank in (1, 0)])
+    state = optimizer.state_dict()
+    assert state["state"].keys() == reference["state"].keys()
+    for index, values in reference["state"].items():
+        for key, value in values.items():
+            torch.testing.assert_close(state["state"][index][key], value, rtol=1e-10, atol=0, msg=f"{index}.{key}")
+    engine.close()
