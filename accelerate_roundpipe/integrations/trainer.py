@@ -3,13 +3,14 @@
 What changes under the Trainer's loop, and nothing else:
 - the accelerator is a `RoundPipeAccelerator`: `prepare` puts the model on RoundPipe (weights in host memory, never
   moved to a GPU, never wrapped in `DataParallel`) and re-points the optimizer the Trainer built (fused CPU AdamW by
-  default) to the engine's optimizer copies, stepped lagged on the optimizer thread;
+  default) to the engine's optimizer copies, stepped on the optimizer thread (exactly by default, one step late with
+  `async_optimizer`);
 - `training_step` is one fused pipelined `forward_backward` per batch, its gradients committed with the scale the
   Trainer would have given `backward` (custom `compute_loss`/`compute_loss_func`/label smoothing go through the
   model's patched forward instead, exact too);
-- the gradient norm: with `max_grad_norm > 0` it is this step's, exact (the clip synchronizes); without clipping
-  it is measured on the optimizer thread and logged one step late ([Note: late grad norm]);
-- checkpoints flush the lagged step first (through the patched `save_pretrained` and the optimizer's
+- the gradient norm: with `max_grad_norm > 0` it is this step's, exact ([Note: clipping without a drain]); without
+  clipping it is measured on the optimizer thread and logged one step late ([Note: late grad norm]);
+- checkpoints flush the steps in flight first (through the patched `save_pretrained` and the optimizer's
   `state_dict`), and weights loaded into the model later (resume, best model) refresh the optimizer copies.
 
 A single process drives every device of a machine, so batch sizes are per machine, not per GPU (`n_gpu` is at most
