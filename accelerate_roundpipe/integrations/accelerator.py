@@ -33,6 +33,7 @@ from torch import nn
 
 from ..runtime import RoundPipe
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
+from .checkpoint_files import read_optimizer_shard
 from .convert import convert_model, engine_of
 from .data_parallel import (
     RankAgreement,
@@ -274,7 +275,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             if not os.path.isfile(path):
                 raise missing_shard_error(directory, self._shard_file(index, world_size=1), self.process_index,
                                           self.num_processes)
-            optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            optimizer.load_state_dict(read_optimizer_shard(path))
         for index, model in enumerate(self._models):
             engine = engine_of(model)
             if engine is not None:

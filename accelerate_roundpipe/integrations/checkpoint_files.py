@@ -7,8 +7,8 @@ Into a checkpoint (the Trainer's `checkpoint-N/`, accelerate's `save_state` dire
   which of the two files below were written. It is written last, so it also marks the others complete;
 - `roundpipe_optimizer_copies.safetensors`: the optimizer copies, when the compute copies are narrower;
 - `roundpipe_lagged_weights.safetensors`: under the lagged step, the weights the next pass computes with.
-(With several processes the Trainer and the accelerator also write each rank's optimizer shard,
-`optimizer.rank<r>-of-<n>.pt` / `.bin`: see `data_parallel.missing_shard_error`.)
+With several processes the Trainer and the accelerator also write each rank's optimizer shard,
+`optimizer.rank<r>-of-<n>.pt` / `.bin`, read by `read_optimizer_shard` (a missing one: `missing_shard_error`).
 On resume every one of them is read whole and checked against the engine before any is loaded. One that is missing
 (listed in the engine state, or the engine state itself beside the others), truncated, unreadable or not of this
 model raises `CheckpointError`, naming the file, the checkpoint and what to do; never a bare `JSONDecodeError` or
@@ -99,6 +99,21 @@ def read_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> E
         extras.lagged_weights = _read_tensors(lagged_path)
         _check_lagged_weights(engine, extras.lagged_weights, lagged_path)
     return extras
+
+
+def read_optimizer_shard(path: str) -> dict:
+    """One rank's optimizer state (`optimizer.rank<r>-of-<n>.pt` / `.bin`, [Note: one process per machine]), read
+    whole; one truncated or not a saved state raises `CheckpointError` (a missing one: the caller's
+    `missing_shard_error`, which says which world size wrote the checkpoint)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # torch.load raises RuntimeError, UnpicklingError, EOFError, ... by what is wrong
+        raise CheckpointError(path, f"cannot be read (truncated or not a saved optimizer state: {error})") from error
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not an optimizer's state_dict")
+    return state
 
 
 def _read_engine_state(path: str) -> dict:

@@ -37,6 +37,7 @@ from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
 from .accelerator import RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
+from .checkpoint_files import read_optimizer_shard
 from .convert import engine_of
 from .data_parallel import (
     DEFERRED,
@@ -388,7 +389,7 @@ class RoundPipeTrainer(Trainer):
         if not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
             return  # as the Trainer: nothing to resume (e.g. save_only_model)
         lagged = getattr(self.optimizer, "optimizer", self.optimizer)
-        states = [torch.load(path, map_location="cpu", weights_only=True) for path in paths]
+        states = [read_optimizer_shard(path) for path in paths]
         logger.info("Resuming the optimizer state of a run with %d process(es) on %d: %s", written,
                     self.args.world_size, ", ".join(os.path.basename(p) for p in paths))
         if written == 1:
@@ -409,7 +410,7 @@ class RoundPipeTrainer(Trainer):
         path = os.path.join(checkpoint, self._shard_name(OPTIMIZER_NAME))
         if not os.path.isfile(path):
             raise missing_shard_error(checkpoint, OPTIMIZER_NAME, self.args.process_index, self.args.world_size)
-        self.optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        self.optimizer.load_state_dict(read_optimizer_shard(path))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _shard_name(self, filename: str) -> str:
