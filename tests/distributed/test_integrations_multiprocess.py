@@ -192,3 +192,15 @@ def test_trainer_resumes_a_two_process_checkpoint_on_one_process(assets, trainer
     after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
     assert_close_lists(after, [e["loss"] for e in trainer_log(one) if e["step"] > SAVE_AT], "resumed on one process")
     assert_same_weights(resumed, one)
+
+
+def test_trainer_resumes_a_one_process_checkpoint_on_two_processes(assets, trainer_runs, tmp_path):
+    # The reverse: each rank cuts its range from the one-process optimizer state.
+    one, two = trainer_runs
+    resumed = str(tmp_path / "resumed")
+    checkpoint = os.path.join(one, f"checkpoint-{SAVE_AT}")
+    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH // WORLD, "--resume_from_checkpoint",
+                                                   checkpoint), str(tmp_path))
+    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
+    assert_close_lists(after, [e["loss"] for e in trainer_log(two) if e["step"] > SAVE_AT], "resumed on two processes")
+    assert_same_weights(resumed, two)
