@@ -1,34 +1,28 @@
-"""A worker's device: how tensors get on and off it, and its RNG streams.
+"""A worker's device: the one interface the worker, the residency, the gradient commits and the profiler use.
 
-A CPU "device" is a worker thread with its own copies: uploads and downloads clone, exactly as a GPU would copy,
-so the scheduler, the event protocol and the optimizer are exercised unchanged without a GPU.
+`Device(torch_device, index)` makes the device class for that kind of device, chosen once (`device_class`):
+`CudaDevice` (`cuda_device.py`) on a GPU, `CpuDevice` (`cpu_device.py`) for a CPU worker. The transfer logic below is
+written once, against streams and events ([Note: transfer engine]); a class supplies only the primitives (make a
+stream, copy on it, hold a tensor for it, allocate page-locked host memory, time a kernel, seed the RNG), so the CPU
+runs the same ordering logic as the GPU, with streams and events that are no-ops there, and
+`stream_model.StreamModelDevice` runs it with streams as ordered queues that check CUDA's ordering rules.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
-import threading
+import time
 import warnings
 from collections.abc import Iterator
 
 import torch
 
 from . import faults
-from .cpu_rng import StreamRandom
-
-# Workers on the same device (every CPU worker, or two workers given the same GPU) share that device's generator;
-# seeding it for a layer and launching the layer must not interleave with another worker doing the same.
-_RNG_LOCKS: dict[str, threading.Lock] = {}
-_RNG_LOCKS_GUARD = threading.Lock()
-
 
 UPLOAD_CAST_CHUNK = 1 << 25  # elements a host->device copy with a cast stages at a time (128 MiB of float32)
-
-
-def _rng_lock(device: torch.device) -> threading.Lock:
-    with _RNG_LOCKS_GUARD:
-        return _RNG_LOCKS.setdefault(str(device), threading.Lock())
+GRAD_DOWNLOAD_SLICE = 32 * 2**20  # elements per gradient copy: bounds the device-side dtype conversion's buffer
 
 
 def use_expandable_segments() -> bool:
@@ -70,9 +64,6 @@ def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_in
     return value
 
 
-GRAD_DOWNLOAD_SLICE = 32 * 2**20  # elements per gradient copy: bounds the device-side dtype conversion's buffer
-
-
 def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[Note: device norms]
     The squared L2 norm of a bucket's gradient, computed on the device that produced it (a read of the gradient
@@ -90,12 +81,12 @@ def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=dtype, device=flat.device)
 
 
-
 def _nothing() -> None:
     pass
 
 
 NO_SPAN = (_nothing, _nothing)  # the (begin, finish) of a span that is not recorded
+
 
 class Payload:
     """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
@@ -116,76 +107,185 @@ class Payload:
         return self.tensors
 
 
-class Device:
+class WallTimer:
+    """Times a layer run on the host clock (a device whose work is done when the call returns)."""
+
+    __slots__ = ("start", "seconds")
+
+    def __init__(self) -> None:
+        self.start, self.seconds = time.perf_counter(), None
+
+    def stop(self) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+    def elapsed_s(self) -> float:
+        return self.seconds
+
+
+cpu_device_class: type | None = None  # the class CPU workers get; None: `CpuDevice` (tests swap in the stream model)
+
+
+def device_class(device: torch.device) -> type[Device]:
+    """The `Device` class for `device`: CUDA's on a GPU, else the CPU worker's."""
+    if device.type == "cuda":
+        from .cuda_device import CudaDevice
+        return CudaDevice
+    if cpu_device_class is not None:
+        return cpu_device_class
+    from .cpu_device import CpuDevice
+    return CpuDevice
+
+
+class Device(abc.ABC):
     """[Note: transfer engine]
-    A CUDA worker has one compute stream and four copy streams: activation upload, activation download, parameter
+    A worker has one compute stream and four copy streams: activation upload, activation download, parameter
     upload, gradient download (PCIe is full duplex, and parameters and gradients then never queue behind the
     activations on the critical path). Nothing blocks the worker thread on the GPU: every copy records an event,
     consumers wait on it on their own stream (or, on the CPU, when they read), and tensors used across streams are
-    handed to the caching allocator with `record_stream` so their memory is not reused too early. A task's next
-    task on the same worker takes its activations straight from the device (no host round trip).
+    handed to the caching allocator (`_hold`, CUDA's `record_stream`) so their memory is not reused too early. A
+    task's next task on the same worker takes its activations straight from the device (no host round trip).
+
+    [Note: devices as classes]
+    The ordering logic (which stream waits for which event, which copy records which event) is written once, here;
+    a device class supplies the primitives. On a CPU worker the streams and events are no-ops and the copies are
+    done when issued, so CI runs this same logic; `stream_model.StreamModelDevice` runs it with every copy queued on
+    its stream until something waits for it, and checks the rules CUDA relies on (an event is recorded before it is
+    waited for, the compute stream waits for an upload before a layer reads it, the host reads a download only after
+    its event). Nothing outside the device classes asks which kind of device it is: callers ask for what they need
+    (`records_kernel_time`, `tracks_memory`, ...). `Device(torch_device, index)` makes the class `device_class`
+    picks.
     """
 
+    is_cuda = False  # the process needs CUDA's allocator and page-locked host memory (the engine's settings)
+    records_kernel_time = False  # kernels are timed on the device (trace spans of streams, profiler timers)
+    tracks_memory = False  # the device counts its allocated memory (the profiler's act/work bytes, metrics)
+
+    def __new__(cls, device: torch.device | str | None = None, index: int = 0, *args, **kwargs):
+        if cls is Device:
+            cls = device_class(torch.device(device))
+        return super().__new__(cls)
+
     def __init__(self, device: torch.device, index: int) -> None:
-        self.device = device
+        self.device = torch.device(device)
         self.index = index
-        self.is_cuda = device.type == "cuda"
-        self._rng_lock = _rng_lock(device)
         self.compute_stream = self.act_in = self.act_out = self.param_in = self.grad_out = None
         self.trace = None  # a TraceRecorder: copies then get spans on their own stream's track
 
     def __str__(self) -> str:
         return f"d{self.index}({self.device})"
 
+    # -------------------------------------------------------------- primitives a device class supplies
+
+    @abc.abstractmethod
     def start_thread(self) -> None:
-        """Called on the worker's own thread before it runs anything."""
-        if self.is_cuda:
-            torch.cuda.set_device(self.device)
-            self.compute_stream, self.act_in, self.act_out, self.param_in, self.grad_out = (
-                torch.cuda.Stream(self.device) for _ in range(5))
+        """Called on the worker's own thread before it runs anything; the streams exist afterwards."""
+
+    @abc.abstractmethod
+    def _on_stream(self, stream) -> contextlib.AbstractContextManager:
+        """A context in which work is queued on `stream`."""
+
+    @abc.abstractmethod
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of host `tensor` on the device, queued on the current stream."""
+
+    @abc.abstractmethod
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of device `tensor` in new page-locked host memory, queued on the current stream."""
+
+    @abc.abstractmethod
+    def _copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy of host `src` into device `dst` on the current stream."""
+
+    @abc.abstractmethod
+    def _copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue the copy of device `src` into host `dst` (page-locked: an async-copy target) on the current
+        stream, converting to `dst`'s dtype on the device."""
+
+    @abc.abstractmethod
+    def _copy_on_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue a device-side copy (with a cast) on the current stream."""
+
+    @abc.abstractmethod
+    def _page_locked_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """New host memory an async copy may target."""
+
+    @abc.abstractmethod
+    def _hold(self, tensor: torch.Tensor, stream) -> None:
+        """Keep `tensor`'s memory from reuse until `stream`'s queued work is done (`record_stream`)."""
+
+    @abc.abstractmethod
+    def rng(self, seed: int) -> contextlib.AbstractContextManager:
+        """The layer run inside draws from the stream `seed`."""
+
+    def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """New device memory (contents undefined), on the current stream."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _fits(self, size: int, limit_bytes: int) -> bool:
+        """Whether `size` more bytes keep the device's allocated memory under `limit_bytes`."""
+        return True  # a device that counts no memory: the limit only switches the path (tests exercise both)
+
+    def kernel_span(self, stream, track: str, name: str):
+        """(begin, finish) callables recording a span of `stream`'s work named `name` on this device's `track` in
+        the trace; no-ops unless the device `records_kernel_time` and a trace is recorded."""
+        return NO_SPAN
+
+    def timer(self):
+        """A timer of the work queued from now to its `stop()` (`elapsed_s()` waits for it)."""
+        return WallTimer()
+
+    def reset_peak_memory(self) -> None:  # noqa: B027 - nothing to reset on a device that counts no memory
+        """Start a new peak of allocated memory (devices that `tracks_memory`)."""
+
+    def allocated_bytes(self) -> int:
+        """Memory the device has allocated now (0 on devices that do not `tracks_memory`)."""
+        return 0
+
+    def peak_allocated_bytes(self) -> int | None:
+        """The most memory allocated since the last reset; None on devices that do not `tracks_memory`."""
+        return None
+
+    def total_memory_bytes(self) -> int | None:
+        """The device's memory; None where there is no such limit (a CPU worker)."""
+        return None
+
+    # -------------------------------------------------------------- the logic written once
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
-        if self.is_cuda:
-            with torch.cuda.stream(self.compute_stream):
-                yield
-        else:
+        with self._on_stream(self.compute_stream):
             yield
 
-    # -------------------------------------------------------------- host -> device
+    def compute_span(self, name: str):
+        """(begin, finish) of a compute-stream span for a task ([Note: weight waits in the trace])."""
+        return self.kernel_span(self.compute_stream, "compute", name)
+
+    def task_end_event(self):
+        """An event the compute stream reaches once everything queued on it so far is done
+        ([Note: bounded run-ahead])."""
+        return self.compute_stream.record_event()
 
     def _traced(self, stream, track: str, tensors):
         """(start, finish) callables bracketing a copy on `stream` with trace events (no-ops when not tracing)."""
-        if self.trace is None:
+        if self.trace is None or not self.records_kernel_time:
             return NO_SPAN
         size = sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
-        return self._span(stream, track, f"{size:.1f} MiB")
+        return self.kernel_span(stream, track, f"{size:.1f} MiB")
 
-    def _span(self, stream, track: str, name: str):
-        """(start, finish) callables recording a span of `stream`'s work named `name` on this device's `track`."""
-        start, end = self.trace.cuda_events(self.device, stream)
-
-        def finish() -> None:
-            end.record(stream)
-            self.trace.add_cuda_span(f"{self} {track}", name, self.device, start, end)
-
-        return (lambda: start.record(stream)), finish
+    # -------------------------------------------------------------- host -> device
 
     def _upload(self, tensors, stream, after_event=None, track: str = "upload") -> tuple[list, list]:
-        """Copies of `tensors` on the device and one copy event per tensor (None on the CPU), so a consumer can
-        start on the first tensor while the others are still in flight; the copies run in order on one stream, so
-        the last event covers them all."""
-        if not self.is_cuda:
-            out = [None if t is None else t.clone() for t in tensors]
-            return out, [None] * len(out)
-        with torch.cuda.stream(stream):
+        """Copies of `tensors` on the device and one copy event per tensor, so a consumer can start on the first
+        tensor while the others are still in flight; the copies run in order on one stream, so the last event
+        covers them all."""
+        with self._on_stream(stream):
             if after_event is not None:
                 stream.wait_event(after_event)
             begin, finish = self._traced(stream, track, tensors)
             begin()
             out, events = [], []
             for t in tensors:
-                out.append(None if t is None else t.to(self.device, non_blocking=True))
+                out.append(None if t is None else self._to_device(t))
                 events.append(stream.record_event())
             finish()
             return out, events
@@ -197,33 +297,26 @@ class Device:
         self.compute_stream.wait_event(event)
         for t in tensors:
             if t is not None:
-                t.record_stream(self.compute_stream)
+                self._hold(t, self.compute_stream)
 
     def empty_params(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device buffers shaped like the host compute copies `hosts`, for `upload_params_into` (allocated on the
         parameter-upload stream, as the copies into them run there)."""
-        if not self.is_cuda:
-            return [torch.empty_like(h) for h in hosts]
-        with torch.cuda.stream(self.param_in):
-            return [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+        with self._on_stream(self.param_in):
+            return [self._empty(h.shape, h.dtype) for h in hosts]
 
     def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor]) -> list:
         """Start copying host buckets (compute copies, or optimizer copies in another dtype, cast on the device)
-        into the device buffers `flats`; returns one copy event per bucket (None on the CPU: the copy is already
-        done). Call `use_params` for a bucket before computing with it: a task's first layer can start as soon as
-        its own bucket has landed."""
+        into the device buffers `flats`; returns one copy event per bucket. Call `use_params` for a bucket before
+        computing with it: a task's first layer can start as soon as its own bucket has landed."""
         faults.point("transfer.upload")
-        if not self.is_cuda:
-            for flat, host in zip(flats, hosts):
-                flat.copy_(host)
-            return [None] * len(flats)
-        with torch.cuda.stream(self.param_in):
+        with self._on_stream(self.param_in):
             begin, finish = self._traced(self.param_in, "parameter upload", hosts)
             begin()
             events = []
             for flat, host in zip(flats, hosts):
                 if host.dtype == flat.dtype:
-                    flat.copy_(host, non_blocking=True)
+                    self._copy_to_device(flat, host)
                 else:
                     self._upload_and_cast(flat, host)
                 events.append(self.param_in.record_event())
@@ -233,47 +326,41 @@ class Device:
     def _upload_and_cast(self, flat: torch.Tensor, host: torch.Tensor) -> None:
         """Copy `host` to the device in its own dtype, then cast into `flat`, in chunks through one staging
         buffer (torch's own cross-device copy with a dtype change would cast on the host first)."""
-        staging = torch.empty(min(host.numel(), UPLOAD_CAST_CHUNK), dtype=host.dtype, device=self.device)
+        staging = self._empty(min(host.numel(), UPLOAD_CAST_CHUNK), host.dtype)
         for start in range(0, host.numel(), UPLOAD_CAST_CHUNK):
             part = host[start:start + UPLOAD_CAST_CHUNK]
             stage = staging[:part.numel()]
-            stage.copy_(part, non_blocking=True)
-            flat[start:start + part.numel()].copy_(stage)  # same stream: the next chunk's copy waits for this cast
+            self._copy_to_device(stage, part)
+            self._copy_on_device(flat[start:start + part.numel()], stage)  # the next chunk's copy waits for this
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)
 
     @property
     def traces_weight_waits(self) -> bool:
-        return self.trace is not None and self.is_cuda
+        return self.trace is not None and self.records_kernel_time
 
     def weights_wait(self, layer_index: int):
         """(begin, finish) callables bracketing, on the compute stream, the wait for a layer's parameters: its
-        version being written (the host waits) and its upload landing (the stream waits). Traced on CUDA as a span
+        version being written (the host waits) and its upload landing (the stream waits). Traced on GPUs as a span
         of the `weights wait` track, which a compute span alone hides: the task's span covers its waits
         ([Note: weight waits in the trace] in `telemetry/report.py`). No-ops when not tracing."""
         if not self.traces_weight_waits:
             return NO_SPAN
-        return self._span(self.compute_stream, "weights wait", f"L{layer_index}")
+        return self.kernel_span(self.compute_stream, "weights wait", f"L{layer_index}")
 
     def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
         """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated
         memory passing `limit_bytes`."""
         if limit_bytes <= 0:
             return False
-        if not self.is_cuda:
-            return True  # CPU workers: the limit only switches the path (tests exercise both)
-        size = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return torch.cuda.memory_allocated(self.device) + size <= limit_bytes
+        return self._fits(sum(t.numel() * t.element_size() for t in tensors if t is not None), limit_bytes)
 
     def receive(self, payload: Payload) -> tuple:
         """The payload's tensors on this device, ready for the compute stream."""
         if payload.worker_index == self.index:
             return payload.tensors
         faults.point("transfer.upload")
-        if not self.is_cuda:
-            out, _ = self._upload(payload.host(), None)
-            return tuple(out)
         event, payload.event = payload.event, None
         out, events = self._upload(payload.tensors, self.act_in, after_event=event, track="activation upload")
         self._use(out, events[-1] if events else None)
@@ -282,10 +369,8 @@ class Device:
     # -------------------------------------------------------------- device -> host
 
     def _download(self, tensors, stream, track: str = "download") -> tuple[tuple, object]:
-        if not self.is_cuda:
-            return tuple(None if t is None else t.detach().clone() for t in tensors), None
         stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(stream):
+        with self._on_stream(stream):
             begin, finish = self._traced(stream, track, tensors)
             begin()
             out = []
@@ -293,8 +378,8 @@ class Device:
                 if t is None:
                     out.append(None)
                     continue
-                out.append(t.detach().to("cpu", non_blocking=True))
-                t.record_stream(stream)
+                out.append(self._to_host(t.detach()))
+                self._hold(t, stream)
             finish()
             return tuple(out), stream.record_event()
 
@@ -313,46 +398,19 @@ class Device:
         measured where the gradients are ([Note: device norms])."""
         faults.point("transfer.download")
         squares = torch.stack([_squared_norm(g.detach(), o.dtype) for g, o in zip(grads, outs)])
-        if not self.is_cuda:
-            for grad, out in zip(grads, outs):
-                out.copy_(grad.detach())
-            return Payload(tuple(outs) + (squares,))
         stream = self.grad_out
         stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(stream):
+        with self._on_stream(stream):
             begin, finish = self._traced(stream, "gradient download", outs)
             begin()
             for grad, out in zip(grads, outs):
                 flat = grad.detach()
                 for start in range(0, flat.numel(), GRAD_DOWNLOAD_SLICE):
                     end = start + GRAD_DOWNLOAD_SLICE
-                    out[start:end].copy_(flat[start:end], non_blocking=True)
-                flat.record_stream(stream)
-            host_squares = torch.empty(squares.shape, dtype=squares.dtype, pin_memory=True)
-            host_squares.copy_(squares, non_blocking=True)
-            squares.record_stream(stream)
+                    self._copy_to_host(out[start:end], flat[start:end])
+                self._hold(flat, stream)
+            host_squares = self._page_locked_empty(squares.shape, squares.dtype)
+            self._copy_to_host(host_squares, squares)
+            self._hold(squares, stream)
             finish()
             return Payload(tuple(outs) + (host_squares,), stream.record_event())
-
-    @contextlib.contextmanager
-    def rng(self, seed: int) -> Iterator[None]:
-        """The layer run inside draws from the stream `seed`.
-
-        [Note: CUDA worker RNG]
-        A CUDA worker seeds the device's default CUDA generator and holds the device's lock while the layer launches
-        its kernels (each takes its offset from the generator at launch), so workers sharing the device never
-        interleave. That generator is process-wide: a user thread drawing CUDA random numbers on the same device
-        while a worker runs a layer (`torch.rand(..., device="cuda")`, a CUDA dropout outside the engine) moves the
-        layer's stream, and its recomputation then differs from its forward; and a layer drawing CPU random numbers
-        on a CUDA worker draws from the unseeded process-wide CPU generator. CPU draws on user threads are unaffected.
-        Lifting this would take a `torch.Generator(device="cuda")` per stream handed to every random op, a per-op
-        Python dispatch on the GPU's hot path ([Note: CPU worker RNG] pays it on CPU workers only); torch has no
-        per-thread default generator.
-        """
-        if self.is_cuda:
-            with self._rng_lock:
-                torch.cuda.manual_seed(seed)  # RNG state is taken when kernels launch: the lock can end here
-                yield
-            return
-        with StreamRandom(seed):  # never the process-wide generator ([Note: CPU worker RNG])
-            yield

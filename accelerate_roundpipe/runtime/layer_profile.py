@@ -11,7 +11,6 @@ backward, is its working set (`work_bytes`). Forwards without a graph give `forw
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,57 +30,30 @@ class LayerRun(str, Enum):
     BACKWARD = "backward"  # the layer's segment of a backward: gives backward_s
 
 
-class _Timer:
-    __slots__ = ("start", "end", "seconds")
-
-    def __init__(self, stream) -> None:
-        self.seconds = None
-        if stream is None:
-            self.start, self.end = time.perf_counter(), None
-        else:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record(stream)
-
-    def stop(self, stream) -> None:
-        if stream is None:
-            self.seconds = time.perf_counter() - self.start
-        else:
-            self.end.record(stream)
-
-    def elapsed_s(self) -> float:
-        if self.seconds is None:
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        return self.seconds
-
-
 class LayerProfile:
     """Measurements of one pass; workers add to it from their threads."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self._lock = threading.Lock()
-        self._timers: dict[tuple[LayerRun, int], list[_Timer]] = defaultdict(list)
+        self._timers: dict[tuple[LayerRun, int], list] = defaultdict(list)
         self._act_bytes: dict[int, int] = defaultdict(int)
         self._input_bytes: dict[int, int] = defaultdict(int)
         self._work_bytes: dict[int, int] = defaultdict(int)
 
     @contextmanager
     def measure(self, run: LayerRun, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
-        stream = device.compute_stream if device.is_cuda else None
-        memory = device.is_cuda and run is not LayerRun.FORWARD
+        memory = device.tracks_memory and run is not LayerRun.FORWARD
         if memory:
-            # The allocator's peak counter, reset here, gives this layer's transient peak (only while profiling:
-            # a user reading max_memory_allocated afterwards sees the peak since the measured pass).
-            torch.cuda.reset_peak_memory_stats(device.device)
-            before = torch.cuda.memory_allocated(device.device)
-        timer = _Timer(stream)
+            device.reset_peak_memory()  # this layer's transient peak
+            before = device.allocated_bytes()
+        timer = device.timer()
         yield
-        timer.stop(stream)
+        timer.stop()
         grown = work = 0
         if memory:
-            after = torch.cuda.memory_allocated(device.device)
-            peak = torch.cuda.max_memory_allocated(device.device) - before
+            after = device.allocated_bytes()
+            peak = device.peak_allocated_bytes() - before
             grown = after - before if run is LayerRun.FORWARD_WITH_GRAPH else 0
             work = max(0, peak - max(grown, 0))
         size = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))

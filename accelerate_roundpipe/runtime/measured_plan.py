@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch
-
 from ..config import RoundPipeConfig
 from ..plan.head_split import measured_head_advice
 from ..plan.layer_costs import LayerCosts
@@ -48,9 +46,9 @@ MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 def memory_budget_bytes(config: RoundPipeConfig, devices: list[Device]) -> float | None:
     """`gpu_memory_budget`, else the smallest GPU's memory; None for CPU workers only."""
     budget_gib = config.gpu_memory_budget
-    cuda = [d.device for d in devices if d.is_cuda]
-    if budget_gib is None and cuda:
-        budget_gib = min(torch.cuda.get_device_properties(d).total_memory for d in cuda) / 2**30
+    limits = [size for size in (d.total_memory_bytes() for d in devices) if size is not None]
+    if budget_gib is None and limits:
+        budget_gib = min(limits) / 2**30
     return None if budget_gib is None else budget_gib * 2**30
 
 

@@ -208,20 +208,16 @@ class Worker:
                 return self._run_traced(run, job)
             finally:
                 self.residency.unbind()
-                if self.device.is_cuda:
-                    self._task_ends.append(self.device.compute_stream.record_event())
+                self._task_ends.append(self.device.task_end_event())
 
     def _run_traced(self, run, job: TaskJob) -> bool:
-        """`run(job)`, with a GPU compute span in the trace when one is recorded."""
-        if self.trace is None or not self.device.is_cuda:
-            return run(job)
-        start, end = self.trace.cuda_events(self.device.device, self.device.compute_stream)
-        start.record(self.device.compute_stream)
+        """`run(job)`, with a compute span in the trace when one is recorded on a device that times its kernels."""
+        begin, finish = self.device.compute_span(str(job.task))
+        begin()
         try:
             return run(job)
         finally:
-            end.record(self.device.compute_stream)
-            self.trace.add_cuda_span(f"{self.device} compute", str(job.task), self.device.device, start, end)
+            finish()
 
     def _bound_run_ahead(self) -> None:
         """[Note: bounded run-ahead]

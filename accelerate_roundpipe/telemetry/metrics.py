@@ -38,8 +38,9 @@ def host_rss_gib() -> float:
 
 
 def gpu_peak_gib(devices) -> float:
-    cuda = sorted({d.device.index or 0 for d in devices if d.is_cuda})
-    return max((torch.cuda.max_memory_allocated(i) / 2**30 for i in cuda), default=0.0)
+    """The highest peak of allocated memory among the devices that count theirs (0 for CPU workers)."""
+    peaks = [peak for peak in (d.peak_allocated_bytes() for d in devices) if peak is not None]
+    return max(peaks, default=0) / 2**30
 
 
 class MetricsWindow:
@@ -58,7 +59,7 @@ class MetricsWindow:
         rate = (tokens - self._tokens) / elapsed
         self._tokens, self._time = tokens, now
         metrics = {"roundpipe/tokens_per_s": round(rate, 1), "roundpipe/host_rss_gib": round(host_rss_gib(), 2)}
-        if any(d.is_cuda for d in self.engine.devices):
+        if any(d.tracks_memory for d in self.engine.devices):
             metrics["roundpipe/gpu_peak_gib"] = round(gpu_peak_gib(self.engine.devices), 2)
         if self.flops_per_token and self.peak_flops:
             metrics["roundpipe/mfu"] = round(rate * self.flops_per_token / self.peak_flops, 4)

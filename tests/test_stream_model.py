@@ -1,0 +1,132 @@
+"""[Note: stream model]: the engine's real task paths (forward, fused, backward; recompute by stage and by layer)
+run through a CPU device whose streams are ordered queues that check CUDA's ordering rules, so a missing wait, which
+costs nothing on a CPU worker, fails here as it would on a GPU; and the same run gives exactly the plain CPU
+device's losses and weights ([Note: devices as classes])."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime import device as device_module
+from accelerate_roundpipe.runtime.cpu_device import CpuDevice
+from accelerate_roundpipe.runtime.device import Device, Payload
+from accelerate_roundpipe.runtime.stream_model import ModelEvent, StreamModelDevice, StreamOrderError
+
+from toy_models import batch, tied_model
+
+# Forward stages, a fused stage and backward stages over two devices: every task kind, with saved inputs moving
+# between devices (host round trips) and staying on one (keep_limit through gpu_memory_budget).
+SETTINGS = dict(devices=["cpu", "cpu"], forward_stages=[2, 3], backward_stages=[2, 3, 4], num_microbatches=3,
+                seed=0, gpu_memory_budget=1.0)
+
+
+def train(recompute: str, steps: int = 2, model=None):
+    """Losses and final weights of `steps` AdamW steps, and the engine's devices."""
+    engine = RoundPipe(copy.deepcopy(model or tied_model(dropout=0.2)), RoundPipeConfig(recompute=recompute,
+                                                                                      **SETTINGS))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+    x, mask, y = batch(rows=7)
+    losses = []
+    try:
+        for _ in range(steps):
+            losses.append(engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy))
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.synchronize()
+        weights = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        return losses, weights, list(engine.devices)
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def stream_model(monkeypatch):
+    """Every CPU worker made from now on is a `StreamModelDevice`."""
+    monkeypatch.setattr(device_module, "cpu_device_class", StreamModelDevice)
+
+
+@pytest.mark.parametrize("recompute", ["stage", "layer"])
+def test_training_through_the_stream_model_equals_the_cpu_device(recompute, monkeypatch):
+    plain_losses, plain_weights, plain_devices = train(recompute)
+    assert all(type(d) is CpuDevice for d in plain_devices)
+    monkeypatch.setattr(device_module, "cpu_device_class", StreamModelDevice)
+    losses, weights, devices = train(recompute)
+    assert all(isinstance(d, StreamModelDevice) for d in devices)
+    for loss, plain in zip(losses, plain_losses):
+        assert torch.equal(loss, plain)
+    for name, weight in weights.items():
+        assert torch.isfinite(weight).all(), name
+        assert torch.equal(weight, plain_weights[name]), name
+    log = [entry for d in devices for entry in d.log]
+    # The ordering the GPU path relies on was exercised, not bypassed: uploads waited for on the compute stream,
+    # downloads after the compute stream, cross-device activations after their download.
+    for entry in [("parameter upload", "copy to device"), ("compute", "wait for parameter upload"),
+                  ("compute", "wait for activation upload"), ("gradient download", "wait for compute"),
+                  ("gradient download", "copy to host"), ("activation download", "wait for compute"),
+                  ("host", "wait for gradient download"), ("host", "wait for activation download")]:
+        assert entry in log, entry
+    assert any(stream == "activation upload" and what.startswith("wait for") and "activation download" in what
+               for stream, what in log)
+
+
+def test_a_layer_reading_parameters_before_their_upload_fails(stream_model, monkeypatch):
+    """Skip the compute stream's wait for uploads (a bug invisible on a CPU worker): the model refuses the read."""
+    monkeypatch.setattr(Device, "_use", lambda self, tensors, event: None)
+    with pytest.raises(Exception) as caught:
+        train("stage", steps=1)
+    assert "copy still in flight" in "".join(str(e) for e in _chain(caught.value))
+
+
+def test_the_same_bug_passes_unnoticed_on_the_plain_cpu_device(monkeypatch):
+    """Why the model exists: the CPU device finishes a copy when it is issued, so the missing wait costs nothing."""
+    monkeypatch.setattr(Device, "_use", lambda self, tensors, event: None)
+    losses, weights, _ = train("stage", steps=1)
+    assert all(torch.isfinite(loss) for loss in losses)
+
+
+def test_a_host_read_before_the_download_event_reads_poison(stream_model, monkeypatch):
+    """`Payload.host` without waiting for the copy: the losses and gradient norms read the poison (NaN)."""
+    monkeypatch.setattr(Payload, "host", lambda self: self.tensors)
+    losses, weights, _ = train("layer", steps=1)
+    assert torch.isnan(losses[0])
+
+
+def test_an_event_never_recorded_cannot_be_waited_for():
+    device = StreamModelDevice(torch.device("cpu"), 0)
+    with pytest.raises(StreamOrderError, match="never recorded"):
+        device.compute_stream.wait_event(ModelEvent())
+    with pytest.raises(StreamOrderError, match="never recorded"):
+        ModelEvent().synchronize()
+
+
+def test_copies_run_in_order_when_waited_for_and_only_into_page_locked_memory():
+    device = StreamModelDevice(torch.device("cpu"), 0)
+    source = torch.arange(4.0)
+    (uploaded,), (event,) = device._upload([source], device.act_in)
+    assert torch.isnan(uploaded).all() and not event.query()  # in flight: poison, not the values
+    with device.compute(), pytest.raises(StreamOrderError, match="in flight"):
+        uploaded * 2  # the compute stream did not wait for the upload
+    device._use([uploaded], event)
+    assert torch.equal(uploaded, source) and event.query()
+    with device._on_stream(device.grad_out), pytest.raises(StreamOrderError, match="page-locked"):
+        device._copy_to_host(torch.empty(4), uploaded)
+    host, done = device._download([uploaded], device.act_out)
+    assert torch.isnan(host[0]).all()
+    done.synchronize()
+    assert torch.equal(host[0], source)
+
+
+def test_the_device_class_is_chosen_once_from_the_torch_device():
+    assert type(Device(torch.device("cpu"), 0)) is CpuDevice
+    assert not CpuDevice.records_kernel_time and not CpuDevice.tracks_memory
+
+
+def _chain(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
