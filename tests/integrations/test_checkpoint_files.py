@@ -10,7 +10,7 @@ import pytest
 import torch
 from integration_unit_helpers import CPU_WORKERS, lm_batch, tiny_llama
 
-from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
+from accelerate_roundpipe import CheckpointError, RoundPipeAccelerator, RoundPipePlugin
 
 ENGINE_STATE = "roundpipe_engine_state.json"
 OPTIMIZER_COPIES = "roundpipe_optimizer_copies.safetensors"
@@ -75,7 +75,21 @@ def test_a_damaged_roundpipe_file_names_itself_the_checkpoint_and_the_remedy(tmp
     message = str(raised.value)
     assert name in message and saved in message, message
     assert "previous checkpoint" in message and "start" in message, message
-    from accelerate_roundpipe import CheckpointError
-
     assert isinstance(raised.value, CheckpointError), repr(raised.value)
+    accelerator.roundpipe_engine(model).close()
+
+
+@pytest.mark.parametrize("name", [OPTIMIZER_COPIES, LAGGED_WEIGHTS])
+def test_a_file_the_engine_state_does_not_list_is_refused(tmp_path, name):
+    """Left from another save into the same directory: the engine state, written last, lists what belongs to it."""
+    accelerator, model, saved = _trained_and_saved(str(tmp_path / "checkpoint"))
+    path = os.path.join(saved, ENGINE_STATE)
+    with open(path) as f:
+        state = json.load(f)
+    state["files"].remove(name)
+    with open(path, "w") as f:
+        json.dump(state, f)
+    with pytest.raises(CheckpointError, match="does not list it") as raised:
+        accelerator.load_state(saved)
+    assert name in str(raised.value) and saved in str(raised.value)
     accelerator.roundpipe_engine(model).close()
