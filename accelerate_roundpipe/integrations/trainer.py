@@ -131,7 +131,7 @@ class RoundPipeTrainer(Trainer):
         super().__init__(model, args, *more, **kwargs)
         self.accelerator.roundpipe_summary_notes = summary_notes(self.args)
         self.accelerator.roundpipe_optimizer_hint = WRONG_TRAINER_OPTIMIZER
-        self.add_callback(_WriteTraceAtTrainEnd())
+        self.add_callback(_FinishAtTrainEnd())
 
     @property
     def roundpipe_engine(self):
@@ -439,10 +439,13 @@ class RoundPipeTrainer(Trainer):
             super()._load_best_model()
 
 
-class _WriteTraceAtTrainEnd(TrainerCallback):
-    """Writes the engine's timeline trace when `train()` ends (when recording: [Note: trace at exit])."""
+class _FinishAtTrainEnd(TrainerCallback):
+    """When `train()` ends: every step of every rank done, so that a rank may leave at once (HF scripts' non-writing
+    ranks return from `save_model` and exit: [Note: end of a data-parallel run]); then the engine's timeline trace
+    (when recording: [Note: trace at exit])."""
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         engine = engine_of(model)
         if engine is not None:
+            engine.synchronize_ranks()
             write_traces([engine])

@@ -58,9 +58,12 @@ loss must be the rank's share of the global loss (e.g. its local mean times its 
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,21 +72,24 @@ import torch
 from .host_store import HostStore
 from .sync import POLL_S, FailureFlag
 
+logger = logging.getLogger(__name__)
 COLLECTIVE_STREAMS = 8  # gloo groups the optimizer thread's large collectives are cut over ([Note: data parallel])
 MIN_STREAM_ELEMENTS = 1 << 20  # per rank and chunk: below it a bucket goes as one collective
 
 
 class _Streams:
     """Daemon threads, one per extra gloo group, that run the chunks of one collective at once; a chunk stuck on a
-    failed peer is left to gloo's timeout (the threads are daemons: they never hold the process up)."""
+    failed peer is left to gloo's timeout (the threads are daemons: they never hold the process up), but the
+    process waits for it at exit ([Note: clean exit under data parallelism])."""
 
     def __init__(self, count: int) -> None:
         import queue
 
         self._queues = [queue.SimpleQueue() for _ in range(count)]
-        for index, jobs in enumerate(self._queues):
-            threading.Thread(target=self._serve, args=(jobs,), name=f"roundpipe-collective-stream-{index}",
-                             daemon=True).start()
+        self._threads = [threading.Thread(target=self._serve, args=(jobs,), name=f"roundpipe-collective-stream-{i}",
+                                          daemon=True) for i, jobs in enumerate(self._queues)]
+        for thread in self._threads:
+            thread.start()
 
     @staticmethod
     def _serve(jobs) -> None:
@@ -92,6 +98,7 @@ class _Streams:
             if job is None:
                 return
             job()
+            del job  # an idle stream holds no tensor ([Note: clean exit under data parallelism])
 
     def start(self, chunks: list[Callable[[], Any]]) -> CollectiveHandle:
         """Start `chunks[k]` on stream k, all at once (each stream runs what it gets in order)."""
@@ -103,6 +110,47 @@ class _Streams:
     def stop(self) -> None:
         for jobs in self._queues:
             jobs.put(None)
+
+    def join(self, timeout_s: float) -> bool:
+        """After `stop()`: wait (at most `timeout_s` in all) until every stream thread ended; whether all did."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)
+
+
+_LIVE_GROUPS: weakref.WeakSet[DataParallelGroup] = weakref.WeakSet()
+_STOPPED_STREAMS: dict[_Streams, float] = {}  # of failed or dropped engines, with their timeout; joined at exit
+
+
+def _end_groups_at_exit() -> None:
+    """[Note: clean exit under data parallelism]
+    A Python thread that is still running when the interpreter finalizes kills the process if it takes the GIL
+    back from torch's C++ code: a daemon thread does so at finalization by `pthread_exit`, whose forced unwinding
+    through the C++ frames ends in `std::terminate` ("terminate called without an active exception", SIGABRT)
+    instead of the exit code of the error the rank raised. A collective stream thread does exactly that when the
+    collective it is in returns (its peer exited: "connection closed"), and even when it merely drops its last job's
+    tensors (their deallocation releases the GIL). That is the usual state of a rank whose peer failed: its
+    optimizer thread abandoned the collective the failed peer never joins ([Note: data parallel], Failures), and
+    `close()` does not wait for it (it returns at once). So at exit (atexit runs before daemon threads are stopped)
+    each group first lets its engine finish its steps with the peers if it is healthy ([Note: end of a
+    data-parallel run]), then stops its stream threads and joins them, at most gloo's timeout: a dead or exiting
+    peer ends a stuck collective at once, a stalled one by the timeout. The ranks never wait on each other here:
+    of two ranks, only the one that issued more collectives can be inside one the other never joins (they issue
+    them in the same order on each group), and the other exits, which ends it."""
+    for group in list(_LIVE_GROUPS):
+        group.end_at_exit()
+    for streams, timeout_s in list(_STOPPED_STREAMS.items()):
+        _join_at_exit(streams, timeout_s)
+
+
+def _join_at_exit(streams: _Streams, timeout_s: float) -> None:
+    if not streams.join(timeout_s + 5.0):
+        logger.warning("RoundPipe: a data-parallel collective was still waiting on a peer %.0f s after exit began; "
+                       "exiting anyway.", timeout_s + 5.0)
+
+
+atexit.register(_end_groups_at_exit)
 
 
 class CollectiveHandle:
@@ -212,6 +260,12 @@ class DataParallelGroup:
         self.stream_groups = [self.optimizer_group] + [dist.new_group(backend="gloo", timeout=timeout)
                                                        for _ in range(COLLECTIVE_STREAMS - 1)]
         self._streams = _Streams(COLLECTIVE_STREAMS)
+        # The engine's "finish the steps with the peers" (drain, barrier), run at exit before the streams end.
+        self.before_exit: Callable[[], None] | None = None
+        _LIVE_GROUPS.add(self)
+        # Optimizer-thread collectives since the last `barrier()`: whether an end of the run must meet the peers
+        # first ([Note: end of a data-parallel run]). The same on every rank at the same point of the program.
+        self.collectives_since_barrier = 0
         # The engine's: the optimizer thread abandons its collective when the engine fails (its peers may never
         # join it), so that close() does not wait for gloo's timeout. Set by the engine.
         self.failure: FailureFlag | None = None
@@ -254,6 +308,7 @@ class DataParallelGroup:
         the peers of a failed rank may never join it. (gloo's asynchronous reduce-scatter cannot be polled: its
         work runs inside `wait()`.)"""
         started = time.monotonic()
+        self.collectives_since_barrier += 1
         handle = self._streams.start(chunks)
         while not handle.finished.wait(POLL_S):
             if time.monotonic() - started > self.timeout_s + 10 * POLL_S:  # gloo's own timeout did not fire
@@ -267,13 +322,43 @@ class DataParallelGroup:
         """Stop the helper threads once their collective (if any) ends; the engine is closing. After a `clean`
         close (every collective of this engine done on every rank: it synchronized first) the engine's process
         groups are destroyed, so a process that builds engine after engine does not pile up gloo groups and their
-        connections; after a failure they are left to the process (a collective may still be stuck in one)."""
+        connections; after a failure they are left to the process (a collective may still be stuck in one), and the
+        stream threads are joined at exit at the latest ([Note: clean exit under data parallelism])."""
         self._streams.stop()
-        if clean:
-            for group in dict.fromkeys([self.caller_group, *self.stream_groups]):
-                self.dist.destroy_process_group(group)
+        _LIVE_GROUPS.discard(self)
+        if not clean:
+            for streams in [s for s in _STOPPED_STREAMS if s.join(0.0)]:
+                del _STOPPED_STREAMS[streams]  # ended since
+            _STOPPED_STREAMS[self._streams] = self.timeout_s
+            return
+        self._streams.join(self.timeout_s)  # idle: the engine synchronized
+        for group in dict.fromkeys([self.caller_group, *self.stream_groups]):
+            self.dist.destroy_process_group(group)
+
+    def end_at_exit(self) -> None:
+        """At interpreter exit: the engine's steps finished with the peers (if it is healthy), then the stream
+        threads stopped and joined ([Note: clean exit under data parallelism])."""
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except Exception as error:  # noqa: BLE001 - at exit nobody can catch it
+                logger.warning("RoundPipe could not finish its data-parallel steps before exiting: %s", error)
+        self._streams.stop()
+        _join_at_exit(self._streams, self.timeout_s)
 
     # ------------------------------------------------------------------ the caller's collectives
+
+    def barrier(self) -> None:
+        """[Note: end of a data-parallel run]
+        Wait until every rank got here. Called at the end of a run (the Trainer's `train()`, `close()`, the engine's
+        finalizer at exit) once this rank's optimizer thread drained: every rank then has every collective of its
+        steps done. Without it, a rank whose own last all-gather was complete left (HF scripts' non-writing ranks
+        return from `save_model` at once and exit; the engine's finalizer cancelled the steps still queued) while
+        its peer still exchanged its last step, which then failed ("Connection closed by peer") and saved nothing.
+        On `caller_group`: nothing else runs on it then (the caller is here)."""
+        self._run("the end-of-run barrier (every rank's optimizer steps done)",
+                  lambda: self.dist.barrier(group=self.caller_group))
+        self.collectives_since_barrier = 0
 
     def check_same(self, what: str, settings: dict[str, Any]) -> None:
         """Refuse (on every rank) settings that differ between ranks."""

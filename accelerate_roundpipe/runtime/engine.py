@@ -50,13 +50,40 @@ class _Background:
     deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
     failure: FailureFlag  # closed to cancel pending work when the engine is dropped without close()
     optimizer: LaggedOptimizer | None = None
+    data_parallel: DataParallelGroup | None = None
 
     def abandon(self) -> None:
         """The engine was dropped without `close()`: cancel what is still pending instead of finishing it (a step
         may wait for gradients of a pass nobody will commit), then stop the threads. Closing the failure flag makes
-        every wait in those threads abort within a poll interval, so the joins below return promptly."""
+        every wait in those threads abort within a poll interval, so the joins below return promptly. Under data
+        parallelism the queued steps are finished first and the ranks meet ([Note: end of a data-parallel run]):
+        cancelled, they would leave the peers inside this rank's last collectives."""
+        if self.data_parallel is not None:
+            self.finish_collectives()
         self.failure.close()
         self.stop()
+        if self.data_parallel is not None:
+            self.data_parallel.close(clean=False)  # its stream threads end; at exit they are waited for
+
+    def finish_collectives(self) -> None:
+        """At exit or when dropped, healthy, data-parallel: drain the optimizer thread (its queued steps wait only
+        for passes already on the workers) and meet the peers, as the end of `train()` does; unless the process is
+        dying of an error (a peer should learn of it at once, not at the timeout) or the engine failed."""
+        import sys
+
+        if self.failure.error is not None or self.failure.closed or getattr(sys, "last_value", None) is not None:
+            return
+        if threading.current_thread().name.startswith("roundpipe-"):
+            return  # freed by a collection on one of its own threads: that thread cannot wait for itself
+        try:
+            if self.optimizer is not None:
+                self.optimizer.thread.wait_idle()
+                self.failure.check()
+            if self.data_parallel.collectives_since_barrier:
+                self.data_parallel.barrier()
+        except Exception as error:  # noqa: BLE001 - at exit nobody can catch it; the peers see their own errors
+            logger.warning("RoundPipe could not finish its data-parallel steps with the other ranks before exiting: "
+                           "%s", error)
 
     def stop(self, join_timeout_s: float | None = 10.0) -> None:
         """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts). With
@@ -155,7 +182,9 @@ class RoundPipe(nn.Module):
         # The RNG streams' keys: training passes and evaluation passes count apart ([Note: RNG streams of passes]).
         self._training_passes = 0
         self._evaluation_passes = 0
-        self.trace = TraceRecorder(self.config.trace_path) if self.config.trace_path else None
+        dp = self.data_parallel  # one trace file per rank ([Note: one trace per rank])
+        self.trace = TraceRecorder(self.config.trace_path, dp.rank if dp else None, dp.world_size if dp else 1) \
+            if self.config.trace_path else None
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
         self._plan = MeasuredPlan(self.config, self.devices, self._store)  # [Note: measured plan]
@@ -163,7 +192,10 @@ class RoundPipe(nn.Module):
         self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
-        self._background = _Background(self._dispatch, self._deferred, self._failure)
+        self._background = _Background(self._dispatch, self._deferred, self._failure,
+                                       data_parallel=self.data_parallel)
+        if self.data_parallel is not None:  # at exit, before its streams end ([Note: clean exit under data ...])
+            self.data_parallel.before_exit = self._background.finish_collectives
         # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
         self._torn = TornGuard(self._store.buckets, self._failure)
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
@@ -427,13 +459,24 @@ class RoundPipe(nn.Module):
             self.optimizer.synchronize()
         self._failure.check()
 
+    def synchronize_ranks(self) -> None:
+        """`synchronize()`, then, under data parallelism, wait until every rank got here: every collective of every
+        rank's steps is then done, so a rank may leave ([Note: end of a data-parallel run]). Call it on every rank
+        at the same point (the Trainer does at the end of `train()`)."""
+        self.synchronize()
+        if self.data_parallel is not None:
+            self.data_parallel.barrier()
+
     def close(self) -> None:
         """Stop the worker and optimizer threads (and write the trace, if recording). The engine cannot be used
-        afterwards."""
+        afterwards. Under data parallelism, after steps since the last `synchronize_ranks()`, it waits for the
+        other ranks to close too ([Note: end of a data-parallel run])."""
         if not self._failure.closed:
             try:
                 if self._failure.error is None:
                     self.synchronize()
+                    if self.data_parallel is not None and self.data_parallel.collectives_since_barrier:
+                        self.data_parallel.barrier()
                     if self.trace is not None:
                         self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
             finally:

@@ -37,9 +37,22 @@ class _Span:
     args: dict[str, Any] | None = None
 
 
+def rank_trace_path(path: str | os.PathLike, rank: int, world_size: int) -> str:
+    """[Note: one trace per rank]
+    Under data parallelism a launcher exports one `ROUNDPIPE_TRACE` to every rank: written as given, the ranks
+    wrote the same file through the same temporary name, and one rank's rename found the other's gone
+    (`FileNotFoundError` at the end of `train()`). Each rank writes `<stem>.rank<r>-of-<n><ext>` instead (the
+    optimizer shards' naming), its events under process id r, so that the files opened together in Perfetto show
+    the ranks side by side."""
+    stem, ext = os.path.splitext(os.fspath(path))
+    return f"{stem}.rank{rank}-of-{world_size}{ext}"
+
+
 class TraceRecorder:
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike, rank: int | None = None, world_size: int = 1) -> None:
+        # With `rank` (data parallelism), every path written gets the rank in its name ([Note: one trace per rank]).
+        self.rank, self.world_size = rank, world_size
+        self.path = self._for_rank(path)
         self._spans: list[_Span] = []
         self._cuda: list[tuple[str, str, Any, Any]] = []  # track, name, start event, end event
         self._anchors: dict[str, tuple[Any, float]] = {}  # device -> (event, host time at record)
@@ -93,26 +106,32 @@ class TraceRecorder:
             spans.append(_Span(track, name, start, end))
         return sorted(spans, key=lambda s: s.start)
 
+    def _for_rank(self, path: str | os.PathLike) -> str:
+        return os.fspath(path) if self.rank is None else rank_trace_path(path, self.rank, self.world_size)
+
     def to_chrome(self) -> dict[str, Any]:
         tracks: dict[str, int] = {}
         events = []
+        pid = self.rank or 0
         for s in self.spans():
             tid = tracks.setdefault(s.track, len(tracks))
-            event = {"name": s.name, "ph": "X", "pid": 0, "tid": tid, "ts": (s.start - self.origin) * 1e6,
+            event = {"name": s.name, "ph": "X", "pid": pid, "tid": tid, "ts": (s.start - self.origin) * 1e6,
                      "dur": max(s.end - s.start, 0.0) * 1e6}
             if s.args:
                 event["args"] = {k: str(v) for k, v in s.args.items()}
             events.append(event)
         for track, tid in tracks.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": track}})
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
+        if self.rank is not None:
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {self.rank}"}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike | None = None) -> str:
-        target = os.fspath(path) if path is not None else self.path
+        target = self._for_rank(path) if path is not None else self.path
         directory = os.path.dirname(os.path.abspath(target))
         os.makedirs(directory, exist_ok=True)
         count = self.num_spans
-        tmp = f"{target}.tmp"
+        tmp = f"{target}.{os.getpid()}.tmp"  # two writers of one path never share the temporary file
         with open(tmp, "w") as f:
             json.dump(self.to_chrome(), f)
         os.replace(tmp, target)  # never leave a half-written trace

@@ -19,7 +19,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(target: Callable, rank: int, world_size: int, port: int, results, args: tuple) -> None:
+def _rank_main(target: Callable, rank: int, world_size: int, port: int, results, args: tuple,
+               reraise: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       ROUNDPIPE_SUMMARY="0")
     import torch
@@ -31,6 +32,8 @@ def _rank_main(target: Callable, rank: int, world_size: int, port: int, results,
         results.put((rank, "ok", target(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the test
         results.put((rank, "error", traceback.format_exc()))
+        if reraise:  # the process then ends as a script dying of it does (its exit code is looked at)
+            raise
 
 
 class Exited:
@@ -46,11 +49,25 @@ class Exited:
 def run_ranks(target: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """`target(rank, world_size, *args)` on `world_size` spawned processes; returns what each returned (or `Exited`)
     in rank order. A rank's exception fails the test with its traceback."""
+    got, processes = _spawn(target, world_size, args, timeout_s, reraise=False)
+    errors = [f"rank {rank}:\n{value}" for rank, (kind, value) in sorted(got.items()) if kind == "error"]
+    assert not errors, "\n".join(errors)
+    return [got[rank][1] if rank in got else Exited(processes[rank].exitcode) for rank in range(world_size)]
+
+
+def run_ranks_to_exit(target: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[tuple]:
+    """As `run_ranks`, but a rank's exception ends its process as it ends a script (exit code 1); returns, per
+    rank, (kind "ok" / "error" / None if it reported nothing, what it returned or its traceback, its exit code)."""
+    got, processes = _spawn(target, world_size, args, timeout_s, reraise=True)
+    return [(*got.get(rank, (None, None)), processes[rank].exitcode) for rank in range(world_size)]
+
+
+def _spawn(target: Callable, world_size: int, args: tuple, timeout_s: float, reraise: bool):
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_rank_main, args=(target, rank, world_size, port, results, args), daemon=True)
-                 for rank in range(world_size)]
+    processes = [context.Process(target=_rank_main, args=(target, rank, world_size, port, results, args, reraise),
+                                 daemon=True) for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
@@ -74,6 +91,4 @@ def run_ranks(target: Callable, world_size: int, *args: Any, timeout_s: float = 
         if process.is_alive():
             process.kill()
     assert not hung, f"rank(s) {hung} did not finish within {timeout_s:g} s (a hang); results so far: {got}"
-    errors = [f"rank {rank}:\n{value}" for rank, (kind, value) in sorted(got.items()) if kind == "error"]
-    assert not errors, "\n".join(errors)
-    return [got[rank][1] if rank in got else Exited(processes[rank].exitcode) for rank in range(world_size)]
+    return got, processes
