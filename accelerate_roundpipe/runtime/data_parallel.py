@@ -133,11 +133,11 @@ def _end_groups_at_exit() -> None:
     tensors (their deallocation releases the GIL). That is the usual state of a rank whose peer failed: its
     optimizer thread abandoned the collective the failed peer never joins ([Note: data parallel], Failures), and
     `close()` does not wait for it (it returns at once). So at exit (atexit runs before daemon threads are stopped)
-    each group first lets its engine finish its steps with the peers if it is healthy ([Note: end of a
-    data-parallel run]), then stops its stream threads and joins them, at most gloo's timeout: a dead or exiting
-    peer ends a stuck collective at once, a stalled one by the timeout. The ranks never wait on each other here:
-    of two ranks, only the one that issued more collectives can be inside one the other never joins (they issue
-    them in the same order on each group), and the other exits, which ends it."""
+    each group first lets its engine finish its steps with the peers if it is healthy
+    ([Note: end of a data-parallel run]), then stops its stream threads and joins them, at most gloo's timeout: a
+    dead or exiting peer ends a stuck collective at once, a stalled one by the timeout. The ranks never wait on
+    each other here: of two ranks, only the one that issued more collectives can be inside one the other never
+    joins (they issue them in the same order on each group), and the other exits, which ends it."""
     for group in list(_LIVE_GROUPS):
         group.end_at_exit()
     for streams, timeout_s in list(_STOPPED_STREAMS.items()):

@@ -194,7 +194,7 @@ class RoundPipe(nn.Module):
         self._deferred = DeferredPasses(self._store, self._failure)
         self._background = _Background(self._dispatch, self._deferred, self._failure,
                                        data_parallel=self.data_parallel)
-        if self.data_parallel is not None:  # at exit, before its streams end ([Note: clean exit under data ...])
+        if self.data_parallel is not None:  # run at exit ([Note: clean exit under data parallelism])
             self.data_parallel.before_exit = self._background.finish_collectives
         # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
         self._torn = TornGuard(self._store.buckets, self._failure)
