@@ -1,11 +1,12 @@
 """Per-layer costs measured on a training pass, for the planner (`plan/planner.py`, `plan/one_device.py`).
 
-While a pass is profiled, the workers time every layer run (CUDA events on the compute stream, read after the pass,
-so nothing waits on the GPU; wall time on CPU workers), and on CUDA read the caching allocator's counters around each
-forward that builds a graph and each backward (host-side counters, no device sync): a forward's growth is the
-activation memory the layer keeps for its backward (`act_bytes`); the peak above that, in the forward or in the
-backward, is its working set (`work_bytes`). Forwards without a graph give `forward_s`, forwards with a graph
-`recompute_s`, the per-layer backward segments `backward_s`.
+While a pass is profiled, the workers time every layer run with their device's `timer()` (on a GPU, CUDA events on
+the compute stream, read after the pass, so nothing waits on the GPU; wall time on CPU workers), and on a device that
+`tracks_memory` (CUDA's caching allocator) read its counters around each forward that builds a graph and each
+backward (host-side counters, no device sync): a forward's growth is the activation memory the layer keeps for its
+backward (`act_bytes`); the peak above that, in the forward or in the backward, is its working set (`work_bytes`).
+Forwards without a graph give `forward_s`, forwards with a graph `recompute_s`, the per-layer backward segments
+`backward_s`.
 """
 
 from __future__ import annotations

@@ -141,7 +141,8 @@ class _ComputeReads(TorchDispatchMode):
         kwargs = kwargs or {}
         device = self.device
         if (not getattr(_local, "running", 0) and getattr(_local, "stream", None) is device.compute_stream
-                and device.in_flight and not func.is_view and func._opname not in self._NOT_READS):
+                and device.in_flight and not getattr(func, "is_view", False)
+                and getattr(func, "_opname", None) not in self._NOT_READS):
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and device.in_flight.get(_storage(leaf)):
                     raise StreamOrderError(
@@ -188,13 +189,15 @@ class StreamModelDevice(CpuDevice):
             if not self.in_flight.get(key):  # not while an earlier copy on the stream still uses it
                 _local.running = getattr(_local, "running", 0) + 1
                 try:
-                    _poison(dst)
+                    with torch.no_grad():
+                        _poison(dst)
                 finally:
                     _local.running -= 1
             self.in_flight[key] = self.in_flight.get(key, 0) + 1
 
         def run() -> None:
-            dst.copy_(src)
+            with torch.no_grad():  # a copy, as on the GPU, whichever thread runs it
+                dst.copy_(src)
             self.in_flight[key] -= 1
             if not self.in_flight[key]:
                 del self.in_flight[key]
