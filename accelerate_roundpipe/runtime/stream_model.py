@@ -13,8 +13,10 @@ thread that breaks them (the engine reports it to the caller like any worker fai
 - an asynchronous copy to the host targets page-locked memory (`_page_locked_empty`, a copy `_to_host` allocates,
   or the gradient pool's buffers, which the engine page-locks whenever a GPU is used).
 A host read of a download before its event (`Payload.host`) reads the poison, and the gradients, norms or losses turn
-NaN. Every stream operation goes to `log` ((stream, operation) pairs), for tests to check the order. For tests:
-`use_stream_model(monkeypatch)` in `tests/stream_model_checks.py` makes every CPU worker one.
+NaN. Every stream operation goes to `log` ((stream, operation) pairs), for tests to check the order. Not modelled:
+memory reuse (`_hold`, CUDA's `record_stream`: Python keeps a queued copy's tensors alive). Tests make every CPU
+worker one with `monkeypatch.setattr(runtime.device, "cpu_device_class", StreamModelDevice)`
+(`tests/test_stream_model.py`).
 """
 
 from __future__ import annotations
