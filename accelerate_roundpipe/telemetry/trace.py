@@ -122,8 +122,6 @@ class TraceRecorder:
             events.append(event)
         for track, tid in tracks.items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": track}})
-        if self.rank is not None:
-            events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {self.rank}"}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike | None = None) -> str:
