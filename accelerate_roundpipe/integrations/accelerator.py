@@ -48,6 +48,7 @@ from .data_parallel import (
     missing_shard_error,
     per_rank_name,
     rank_suffix,
+    written_by_another_world_size,
 )
 from .grad_norm import clip_grad_norm, clip_grad_value
 from .optimizer import PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
@@ -93,6 +94,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         # (compute copies only, no optimizer copy or gradient buffer). `RoundPipeTrainer` sets it (a DPO reference).
         self.frozen_for_evaluation: Callable[[nn.Module], bool] = lambda model: False
         self._roundpipe_load_dir: str | None = None
+        self._roundpipe_set_aside: list = []  # optimizers `load_state` loads itself (_remember_load_dir)
         # What the engine's start summary says about the loop around it (the Trainer states its own settings).
         self.roundpipe_summary_notes = {
             "clipping": "exact, where the loop calls accelerator.clip_grad_norm_ (no pipeline drain)",
@@ -265,12 +267,28 @@ class RoundPipeAccelerator(accelerate.Accelerator):
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         self.synchronize_roundpipe()
+        self._roundpipe_set_aside = []
         with self._models_as_engine_weights(), self._optimizer_shards_aside() as shards:
-            super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+            try:
+                super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+            finally:  # set aside by `_remember_load_dir`: one process loading the shards of several
+                if self._roundpipe_set_aside:
+                    self._optimizers[:] = shards = self._roundpipe_set_aside
         directory = self._roundpipe_load_dir
         if directory is None:
             return
+        written = None  # the number of processes that wrote the optimizer files, when not this run's
         for index, optimizer in enumerate(shards):
+            other = written_by_another_world_size(directory, self._shard_file(index, world_size=1),
+                                                  self.process_index, self.num_processes)
+            if other is not None:  # [Note: shards of another world size]
+                paths, written = other
+                states = [read_optimizer_shard(path) for path in paths]
+                if written > 1:
+                    getattr(optimizer, "optimizer", optimizer).load_shards(states)  # the engine's LaggedOptimizer
+                else:
+                    optimizer.load_state_dict(states[0])
+                continue
             path = os.path.join(directory, self._shard_file(index))
             if not os.path.isfile(path):
                 raise missing_shard_error(directory, self._shard_file(index, world_size=1), self.process_index,
@@ -278,8 +296,10 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             optimizer.load_state_dict(read_optimizer_shard(path))
         for index, model in enumerate(self._models):
             engine = engine_of(model)
-            if engine is not None:
-                load_engine_extras(engine, directory, suffix=self._extras_suffix(index))
+            if engine is not None:  # another world size's: rank 0's (the same weights and state on every rank)
+                suffix = self._extras_suffix(index) if written is None else \
+                    (f"_{index}" if index else "") + rank_suffix(0, written)
+                load_engine_extras(engine, directory, suffix=suffix)
 
     def _shard_file(self, index: int, world_size: int | None = None) -> str:
         """accelerate's optimizer file name, per rank: `optimizer.rank1-of-2.bin`, `optimizer_1.rank1-of-2.bin`."""
@@ -311,7 +331,14 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             self._optimizers[:] = saved
 
     def _remember_load_dir(self, models, input_dir: str) -> None:
+        """accelerate's pre-load hook: where the state is loaded from; on one process, when the optimizer files are
+        the shards of several, the optimizers are set aside (accelerate would look for `optimizer.bin`) and
+        `load_state` joins the shards into them ([Note: shards of another world size])."""
         self._roundpipe_load_dir = input_dir
+        if self.num_processes == 1 and self._optimizers and written_by_another_world_size(
+                input_dir, self._shard_file(0, world_size=1), 0, 1) is not None:
+            self._roundpipe_set_aside = list(self._optimizers)
+            self._optimizers[:] = []
 
     @contextlib.contextmanager
     def _models_as_engine_weights(self):

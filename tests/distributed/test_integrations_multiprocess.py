@@ -204,3 +204,15 @@ def test_trainer_resumes_a_one_process_checkpoint_on_two_processes(assets, train
     after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
     assert_close_lists(after, [e["loss"] for e in trainer_log(two) if e["step"] > SAVE_AT], "resumed on two processes")
     assert_same_weights(resumed, two)
+
+
+def test_accelerate_loop_resumes_a_two_process_state_on_one_process(assets, loop_runs, tmp_path):
+    # [Note: shards of another world size], through `accelerator.load_state`.
+    one, two = loop_runs
+    resumed = str(tmp_path / "resumed")
+    argv = loop_args(assets, resumed, STEPS, "--resume_from_checkpoint", os.path.join(two, f"step_{SAVE_AT}"))
+    one_process(LOOP_SCRIPT, with_batch(argv, GLOBAL_BATCH), str(tmp_path))
+    # The losses of the two steps after the checkpoint: the second follows the first update, made with the joined
+    # AdamW state. Later ones differ by the script's own doing: its LR scheduler is stepped num_processes times a
+    # step over num_processes times the steps, so the two-process scheduler state is two steps a step on one.
+    assert_close_lists(loop_losses(resumed)[:2], loop_losses(one)[SAVE_AT:SAVE_AT + 2], "resumed on one process")
