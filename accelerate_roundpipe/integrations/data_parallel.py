@@ -238,8 +238,9 @@ def missing_shard_error(directory: str, filename: str, rank: int, world_size: in
         if os.path.isdir(directory) else []
     written = f"; it holds {', '.join(found)}" if found else ""
     return FileNotFoundError(f"{directory} has no {per_rank_name(filename, rank, world_size)} (rank {rank} of "
-                             f"{world_size}){written}. Each rank's optimizer state is a shard: resume with the "
-                             f"number of processes that wrote the checkpoint.")
+                             f"{world_size}){written}. Each rank's optimizer state is a shard: resume from a "
+                             f"checkpoint that holds the shard of every rank of the run that wrote it (any number of "
+                             f"processes can load them together).")
 
 
 def written_by_another_world_size(directory: str, filename: str, rank: int,
