@@ -16,10 +16,10 @@ optimizer shard, its RNG state), so one rank, the writer, prepares and renames i
 the directory is clean before anyone writes, everyone wrote before the rename (a rank that raised says so, and then
 every rank raises and the writer discards the directory), and the rename is done before anyone goes on. Agreeing
 is an all-reduce that a failing rank joins too, so a failure never leaves the others waiting at a barrier. A rank
-that dies or stalls instead makes the agreement itself fail on the others, within `wait_timeout_s` ([Note: collective
-timeouts]), with an error naming the checkpoint and the peer; the writer discards the directory then too (only a
-killed writer leaves its `tmp-checkpoint-N/`). The ranks must see one filesystem (or save on each node: then each
-node's first process is that node's writer).
+that dies or stalls instead makes the agreement itself fail on the others, within `wait_timeout_s`
+([Note: collective timeouts]), with an error naming the checkpoint and the peer; the writer discards the directory
+then too (only a killed writer leaves its `tmp-checkpoint-N/`). The ranks must see one filesystem (or save on each
+node: then each node's first process is that node's writer).
 """
 
 from __future__ import annotations

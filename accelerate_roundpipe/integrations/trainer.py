@@ -179,8 +179,8 @@ class RoundPipeTrainer(Trainer):
         return self.roundpipe_plugin.resolved_wait_timeout_s
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
-        """The Trainer's per-step all-gather of the label count, named when it fails ([Note: collective
-        timeouts])."""
+        """The Trainer's per-step all-gather of the label count, named when it fails
+        ([Note: collective timeouts])."""
         if self.args.world_size <= 1:
             return super()._get_num_items_in_batch(batch_samples, device)
         with named_collective("the Trainer's all-gather of the batch's label count (num_items_in_batch)",
