@@ -51,8 +51,8 @@ class Agreement(Protocol):
 def staged(final: str, agreement: Agreement | None = None, is_writer: bool = True) -> Iterator[str]:
     """Yield the staging run directory; the checkpoint written as `<staging>/<name of final>` is moved to `final`
     when the block ends without an error, and discarded when it raises. With `agreement` (several ranks), every
-    rank enters and leaves together, and only `is_writer` prepares, renames and discards; a rank lost on the way
-    (its agreement fails) discards it too."""
+    rank enters and leaves together, and only `is_writer` prepares, renames and discards (also when a rank is lost
+    on the way: the agreement itself then raises, naming the checkpoint and the peer)."""
     staging = staging_run_dir(final)
 
     def prepare() -> None:
