@@ -5,7 +5,7 @@ Importing the package starts no threads, touches no GPU and pins no memory.
 
 from .config import RoundPipeConfig
 from .models import UnsupportedModelError, wrap_model
-from .runtime import EngineClosedError, LaggedOptimizer, RoundPipe
+from .runtime import EngineClosedError, LaggedOptimizer, RoundPipe, RoundPipeOptimizer
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "RoundPipeConfig",
     "wrap_model",
     "UnsupportedModelError",
+    "RoundPipeOptimizer",
     "LaggedOptimizer",
     "EngineClosedError",
     "__version__",

@@ -11,7 +11,8 @@ one drain.
 [Note: late grad norm]
 `transformers.Trainer` (5.x) logs a gradient norm every step even without clipping. Synchronizing for that alone
 would drain the pipeline every step, so `LateGradNorm` measures the norm on the optimizer thread instead, as part of
-the lagged step (a step pre-hook of the wrapped optimizer sees each bucket's final gradients), and the norm reported
+the step (a step pre-hook of the user's optimizer runs around each bucket's step, on that bucket's stepper, and sees
+its final gradients: [Note: one owner of the step's groups]), and the norm reported
 at step k is the one of the newest step that has finished: k-1, or k-2 while the CPU is still stepping k-1 (waiting
 for it would serialise the CPU step with the next iteration, which the staleness-1 optimizer exists to avoid; on an
 H200 that wait cost a third of the throughput). Each step's groups are tagged with the step index so the
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..runtime import LaggedOptimizer, RoundPipe
+from ..runtime import RoundPipe, RoundPipeOptimizer
 from .optimizer import optimizer_copy_map
 
 STEP_TAG = "roundpipe_step_index"
@@ -66,8 +67,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe],
     return torch.nn.utils.clip_grad_norm_(_final_gradient_holders(parameters, engines), max_norm, norm_type=norm_type)
 
 
-def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundPipe]) -> LaggedOptimizer | None:
-    """The lagged optimizer of the one engine whose trainable parameters `parameters` covers, all of them and
+def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundPipe]) -> RoundPipeOptimizer | None:
+    """The optimizer of the one engine whose trainable parameters `parameters` covers, all of them and
     nothing else that could hold a gradient; None when the clip must go the synchronous way."""
     holders, involved = gradient_holders(parameters, engines)
     if len(involved) != 1 or involved[0].optimizer is None:
@@ -85,7 +86,7 @@ def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]
 class LateGradNorm:
     """The L2 gradient norm of each optimizer step, measured on the optimizer thread ([Note: late grad norm])."""
 
-    def __init__(self, optimizer: LaggedOptimizer) -> None:
+    def __init__(self, optimizer: RoundPipeOptimizer) -> None:
         self.optimizer = optimizer
         self._lock = threading.Lock()
         self._squares: dict[int, float] = {}  # step index -> sum of squared per-tensor norms
@@ -94,7 +95,7 @@ class LateGradNorm:
         self._handle = optimizer.inner.register_step_pre_hook(self._measure)
 
     def before_step(self, step_index: int, measure: bool = True) -> None:
-        """Tag the groups of the step about to be taken (the lagged optimizer snapshots them at `step()`); with
+        """Tag the groups of the step about to be taken (the optimizer reads their settings at `step()`); with
         `measure=False` that step's norm is not computed (it costs a pass over every gradient on the CPU)."""
         for group in self.optimizer.param_groups:
             group[STEP_TAG] = step_index if measure else None
@@ -116,8 +117,8 @@ class LateGradNorm:
             self._seen.pop(old, None)
 
     def _measure(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        # Runs on the optimizer thread, inside one bucket's step: `param_groups` holds that bucket's parameters,
-        # whose gradients are final.
+        # Runs on the optimizer thread, inside one bucket's step: `optimizer` is that bucket's stepper, whose groups
+        # hold the bucket's parameters (gradients final) and the step's settings, the tag included.
         if all(group.get(STEP_TAG) is None for group in optimizer.param_groups):
             return  # a step whose norm nobody will read
         squares, count, step_index = 0.0, 0, None

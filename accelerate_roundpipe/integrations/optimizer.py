@@ -10,7 +10,9 @@ optimizer copies (accelerate does the same on TPUs, `AcceleratedOptimizer._switc
 group hyper-parameters, `defaults`, any existing state and any scheduler built on it are kept. Frozen parameters have
 no optimizer copy and are dropped from their group (they never get a gradient); a group may become empty, so
 per-group scheduler lambdas keep their positions. The re-pointed optimizer is then wrapped by
-`engine.wrap_optimizer` (lagged, stepped on the optimizer thread).
+`engine.wrap_optimizer` (stepped on the optimizer thread, exactly by default), which steps copies of it that it owns
+([Note: one owner of the step's groups]): from then on the user's optimizer object holds the groups (its
+hyper-parameters, read at each `step()`) and the wrapper the state.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from ..runtime import LaggedOptimizer, RoundPipe
+from ..runtime import RoundPipe, RoundPipeOptimizer
 
 
 def optimizer_copy_map(engine: RoundPipe) -> dict[int, nn.Parameter]:
@@ -40,13 +42,13 @@ PREPARE_TOGETHER = ("Build the optimizer over `model.parameters()` and prepare b
 
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe],
-                      how_to_fix: str = PREPARE_TOGETHER) -> LaggedOptimizer:
-    """Re-point `optimizer` to the optimizer copies of one of `engines` and wrap it lagged. `how_to_fix` ends the
+                      how_to_fix: str = PREPARE_TOGETHER) -> RoundPipeOptimizer:
+    """Re-point `optimizer` to the optimizer copies of one of `engines` and wrap it. `how_to_fix` ends the
     error for an optimizer over other tensors (the Trainer says what to pass as `optimizers=`).
 
     See [Note: optimizer re-pointing].
     """
-    if isinstance(optimizer, LaggedOptimizer):
+    if isinstance(optimizer, RoundPipeOptimizer):
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     maps = {id(e): optimizer_copy_map(e) for e in engines}
@@ -91,11 +93,11 @@ def _rekey_state(optimizer: torch.optim.Optimizer, new_of_old: dict[int, nn.Para
 
 
 class RoundPipeAcceleratedOptimizer(AcceleratedOptimizer):
-    """accelerate's optimizer wrapper (gradient-accumulation aware `step`/`zero_grad`) around a `LaggedOptimizer`.
+    """accelerate's optimizer wrapper (gradient-accumulation aware `step`/`zero_grad`) around a `RoundPipeOptimizer`.
 
     Device placement and loss scaling are off: the optimizer state stays on the host, next to the optimizer copies.
     """
 
-    def __init__(self, optimizer: LaggedOptimizer) -> None:
+    def __init__(self, optimizer: RoundPipeOptimizer) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
 

@@ -34,9 +34,11 @@ from .host_store import HostStore
 from .jobs import PassState
 from .measured_plan import MeasuredPlan
 from .microbatches import MicrobatchPolicy, loss_count_totals, loss_shares, split_rows, tensor_tuple
-from .optimizer import LaggedOptimizer
+from .optimizer import RoundPipeOptimizer
+from .shards import ShardedSteps
 from .sync import EngineClosedError, FailureFlag, Future
 from .torn import TornGuard
+from .whole_buckets import WholeBuckets
 
 logger = logging.getLogger(__name__)
 CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
@@ -49,7 +51,7 @@ class _Background:
     dispatch: Dispatcher  # the device workers, started on first use
     deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
     failure: FailureFlag  # closed to cancel pending work when the engine is dropped without close()
-    optimizer: LaggedOptimizer | None = None
+    optimizer: RoundPipeOptimizer | None = None
     data_parallel: DataParallelGroup | None = None
 
     def abandon(self) -> None:
@@ -253,13 +255,14 @@ class RoundPipe(nn.Module):
         return self._store
 
     @property
-    def optimizer(self) -> LaggedOptimizer | None:
+    def optimizer(self) -> RoundPipeOptimizer | None:
         return self._background.optimizer
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> LaggedOptimizer:
-        """Step `optimizer` (built over `self.parameters()`) lagged, on a background thread; returns the wrapper to
-        use in its place (including for LR schedulers)."""
-        if isinstance(optimizer, LaggedOptimizer):
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> RoundPipeOptimizer:
+        """Step `optimizer` (built over `self.parameters()`) on a background thread, exactly by default or one step
+        late (`async_optimizer`); returns the wrapper to use in its place. An LR scheduler may be built on either:
+        `optimizer` keeps its groups (read at each `step()`), the wrapper holds the state."""
+        if isinstance(optimizer, RoundPipeOptimizer):
             return optimizer
         self._failure.check()
         if self.data_parallel is not None:
@@ -269,13 +272,19 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.synchronize()
             self.optimizer.close()
-        self._background.optimizer = LaggedOptimizer(optimizer, self._store, self._failure,
-                                                     self.config.resolved_async_optimizer,
-                                                     deferred_passes=self._deferred, trace=self.trace,
-                                                     exact_steps_first=self.config.resolved_async_warmup_steps,
-                                                     data_parallel=self.data_parallel)
+        self._background.optimizer = RoundPipeOptimizer(optimizer, self._store, self._failure,
+                                                        self.config.resolved_async_optimizer,
+                                                        deferred_passes=self._deferred, trace=self.trace,
+                                                        exact_steps_first=self.config.resolved_async_warmup_steps,
+                                                        layout_of=self._optimizer_layout)
         self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
         return self.optimizer
+
+    def _optimizer_layout(self, optimizer: torch.optim.Optimizer) -> WholeBuckets | ShardedSteps:
+        """How this process steps `optimizer`'s buckets: whole, or its shard of them ([Note: data parallel])."""
+        if self.data_parallel is None:
+            return WholeBuckets(optimizer, self._store)
+        return ShardedSteps(optimizer, self._store, self.data_parallel, self.trace)
 
     # ------------------------------------------------------------------ passes
 

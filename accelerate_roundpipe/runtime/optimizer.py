@@ -1,4 +1,5 @@
-"""The lagged CPU optimizer: any torch optimizer stepped bucket by bucket on a background thread.
+"""The CPU optimizer: any torch optimizer stepped bucket by bucket on a background thread, exactly by default or one
+iteration late (`async_optimizer`).
 
 [Note: one-step lag]
 `step()` returns at once. A background thread steps each bucket as soon as its gradients are final, on the
@@ -22,51 +23,43 @@ import torch
 
 from ..telemetry.trace import maybe_span
 from . import faults
-from .data_parallel import DataParallelError, DataParallelGroup
+from .clip import GradientClip
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
-from .shards import BucketShard, ShardedSteps, full_state_of_shards
-from .step_norm import PendingGradNorm, StepNorm, kernel_grad_scale
-from .sync import FailureFlag, SerialExecutor, wait_for_any_turn
-
-_FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
-    """Use torch's fused CPU kernel for Adam/AdamW groups that did not choose an implementation."""
-    if not isinstance(optimizer, _FUSED_CPU):
-        return
-    for group in optimizer.param_groups:
-        if group.get("fused") is None and not group.get("foreach") and not group.get("differentiable") \
-                and all(p.is_floating_point() for p in group["params"]):
-            group["fused"] = True
-            group["foreach"] = False
+from .shards import full_state_of_shards
+from .step_norm import PendingGradNorm
+from .step_policy import ExactStep, LaggedStep
+from .steppers import hyper_parameters, prefer_fused
+from .sync import FailureFlag, SerialExecutor
+from .whole_buckets import WholeBuckets
 
 
-class LaggedOptimizer(torch.optim.Optimizer):
-    """Wraps a torch optimizer built over `engine.parameters()`; see [Note: one-step lag].
+class RoundPipeOptimizer(torch.optim.Optimizer):
+    """Steps the user's torch optimizer (built over `engine.parameters()`) bucket by bucket on the optimizer thread;
+    see [Note: one-step lag].
 
-    `param_groups`, `state`, `state_dict()`, `load_state_dict()` and `zero_grad()` behave as the wrapped optimizer's.
-    Hyper-parameters (e.g. the learning rate an LR scheduler sets) are read when `step()` is called. With
-    `data_parallel`, an optimizer of the same class steps this rank's shard, and `state` / `state_dict()` are that
-    shard's ([Note: data parallel]).
+    `param_groups` are the user's optimizer's (an LR scheduler's writes land there, on the caller's thread, and the
+    next `step()` reads them); nothing on the optimizer thread touches the user's optimizer
+    ([Note: one owner of the step's groups]). `state`, `state_dict()` and `load_state_dict()` are in the user's
+    optimizer's format; under data parallelism they are this rank's shard's ([Note: data parallel]). The layout
+    (`WholeBuckets` on one process, `ShardedSteps` under data parallelism) says how each bucket's gradients are
+    exchanged, measured and stepped.
     """
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
                  async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None,
-                 exact_steps_first: int = 0, data_parallel: DataParallelGroup | None = None) -> None:
-        # Not calling Optimizer.__init__: the groups and the state stay the wrapped optimizer's own objects.
+                 exact_steps_first: int = 0, layout_of: Callable | None = None) -> None:
+        # Not calling Optimizer.__init__: the groups stay the user's optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
         self.param_groups = inner.param_groups
-        self.state = inner.state
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._zero_grad_profile_name = "Optimizer.zero_grad#LaggedOptimizer.zero_grad"
+        self._zero_grad_profile_name = "Optimizer.zero_grad#RoundPipeOptimizer.zero_grad"
         self.store = store
         self.failure = failure
         self.async_step = async_step
@@ -76,18 +69,22 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
-        self._clip: StepNorm | None = None  # the clip the next step() applies ([Note: clipping without a drain])
+        self._clip: GradientClip | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
-        prefer_fused(inner)  # the step snapshots its groups' settings (a shard's optimizer too)
-        self.data_parallel = data_parallel
-        # Under data parallelism this rank steps its shard with an optimizer of its own ([Note: data parallel]).
-        self._shards = ShardedSteps(inner, store, data_parallel) if data_parallel is not None else None
-        self._stepper = self._shards.optimizer if self._shards is not None else inner
-        if self._stepper is not inner:
-            prefer_fused(self._stepper)
-        self.state = self._stepper.state
+        prefer_fused(inner)  # before the layout copies the groups' settings
+        # How this process steps its buckets: whole, or its shard of them ([Note: data parallel]).
+        self.layout = layout_of(inner) if layout_of is not None else WholeBuckets(inner, store)
+        self._exact, self._lagged = ExactStep(), LaggedStep()
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
-        self._step_order = store.trainable_in_backward_order
+        self.step_order = store.trainable_in_backward_order
+
+    @property
+    def state(self) -> dict:
+        return self.layout.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        raise AttributeError("the optimizer state is the engine's: load it with optimizer.load_state_dict(...)")
 
     def _check_params(self) -> None:
         known = {id(s.optim): s for b in self.store.trainable_buckets for s in b.slots}
@@ -103,41 +100,26 @@ class LaggedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
-            raise ValueError("RoundPipe's lagged optimizer takes no closure: the step runs in the background after "
-                             "the pipeline; call engine.forward_backward(...) then optimizer.step().")
+            raise ValueError("RoundPipe's optimizer takes no closure: the step runs in the background after the "
+                             "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
         self._drop_pending_passes()
         self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
-        snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        member_groups = [(g["params"], snap) for g, snap in zip(self.param_groups, snapshot)]
+        hyper = hyper_parameters(self.param_groups)  # read now ([Note: one owner of the step's groups])
         clip, self._clip = self._clip, None
-        lagged = self.async_step and self.steps_taken >= self.exact_steps_first
+        policy = self._lagged if self.async_step and self.steps_taken >= self.exact_steps_first else self._exact
         self.steps_taken += 1
         self.inner._opt_called = True  # [Note: scheduler step count]
         with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
-            if not lagged:
-                entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write())
-                           for bucket in self._step_order]
-                for bucket in self._step_order:
-                    bucket.new_versions_reserved += 1
-                self.thread.submit(self._exact_step_job(entries, member_groups, clip))
-                self._stale_compute.update((bucket.index, bucket) for bucket in self._step_order)
-                return
-            # A lagged step writes the optimizer copies outside the read tickets: first move the version readers
-            # are entitled to back into the compute copies ([Note: exact step without write-back]).
-            self.write_back_stale()
-            for bucket in self._step_order:
-                ticket = bucket.grads.reserve()
-                self.thread.submit(self._lagged_step_job(bucket, ticket, member_groups, clip))
-                self._held_writebacks.append(bucket)
+            policy.schedule(self, hyper, clip)
 
     # [Note: scheduler step count]
     # A torch LR scheduler wraps its optimizer's `step` (an attribute of that instance) to set `_opt_called`, and its
     # own `step()` warns "lr_scheduler.step() before optimizer.step()" when that is unset. The wrapped optimizer's
     # step runs later, on the optimizer thread, so `step()` says on the caller's thread what torch's wrapper would
     # say there: the step is taken (scheduled, with the learning rates read now). The optimizer thread calls the
-    # class's `step` (its hooks included), not the instance's, so it never writes to the user's optimizer, whatever
-    # a scheduler wrapped around it.
+    # class's `step` (its hooks included) on the bucket's stepper, not the instance's, so it never writes to the
+    # user's optimizer, whatever a scheduler wrapped around it.
 
     def clip_grad_norm_(self, max_norm: float) -> PendingGradNorm:
         """Clip the gradients of the next `step()` to a global L2 norm of `max_norm`, as
@@ -147,92 +129,33 @@ class LaggedOptimizer(torch.optim.Optimizer):
         self._drop_pending_passes()
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
-        total = None
-        if self.data_parallel is not None:  # the norm of the reduced, global gradient ([Note: data parallel])
-            def total(squares: float) -> float:
-                return self.data_parallel.sum_on_optimizer_thread(squares, "the all-reduce of the gradient norm")
-        dtype = self._step_order[0].optim.dtype if self._step_order else torch.float32
-        step_norm = StepNorm(len(self._step_order), max_norm, total, dtype)
+        clip = GradientClip(max_norm, self.step_order, self.layout, self.failure, self.trace)
         with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
-            for bucket in self._step_order:  # top layers first: the order their gradients become final
-                ticket = bucket.grads.reserve()
-                self.thread.submit(self._norm_job(bucket, ticket, step_norm))
-        self._clip = step_norm
-        return PendingGradNorm(step_norm, self.failure, dtype)
+            for bucket in self.step_order:  # top layers first: the order their gradients become final
+                self.thread.submit(clip.measure_job(bucket, bucket.grads.reserve()))
+        self._clip = clip
+        return clip.pending_norm()
 
-    def _norm_job(self, bucket: Bucket, ticket: int, step_norm: StepNorm) -> Callable[[], None]:
-        def measure_bucket() -> None:
-            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
-            try:
-                shard = self._shard(bucket)
-                if shard is not None and bucket.grad_valid:
-                    self._reduce(bucket, shard, ticket)  # the norm is the reduced (global) gradient's
-                with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
-                    step_norm.add(bucket.squared_norm() if shard is None or not bucket.grad_valid
-                                  else shard.squared_norm())
-            finally:
-                bucket.grads.end(ticket)
-
-        return measure_bucket
-
-    def _step_bucket(self, bucket: Bucket, ticket: int, member_groups, clip: StepNorm | None) -> None:
-        """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`'s coefficient)."""
+    def _step_bucket(self, bucket: Bucket, ticket: int, hyper: list[dict[str, Any]],
+                     clip: GradientClip | None) -> None:
+        """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`), with the hyper-parameters
+        `hyper` that `step()` read."""
         bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
         try:
             self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
             faults.point("optimizer.step")
-            shard = self._shard(bucket)
-            if shard is not None and bucket.grad_valid and shard.reduced_at != ticket - 1:
-                self._reduce(bucket, shard, ticket)  # no clip reduced it, or gradients came after the clip's
-            if shard is not None:
-                groups = self._shards.groups_for(bucket, member_groups)
-            else:
-                ids = {id(s.optim) for s in bucket.slots}
-                groups = [dict(snap, params=[p for p in params if id(p) in ids]) for params, snap in member_groups]
-                groups = [g for g in groups if g["params"]]
-            stepper = self._stepper
-            in_kernel = None  # a clip the fused kernel applies as it reads the gradients
-            if clip is not None and bucket.grad_valid:
-                coefficient = clip.clip_coefficient(self.failure)
-                # torch multiplies by the clamped coefficient (0 or NaN too: [Note: non-finite clip]); by 1 changes
-                # nothing
-                if coefficient != 1.0:
-                    if groups and self._clips_in_kernel(bucket, groups) and kernel_grad_scale(coefficient):
-                        in_kernel = coefficient
-                    elif shard is not None:
-                        shard.grad.mul_(coefficient)
-                    else:
-                        bucket.scale(coefficient)
-            if groups and bucket.grad_valid:
-                original = stepper.param_groups
-                stepper.param_groups = groups
-                if in_kernel is not None:
-                    stepper.grad_scale = torch.tensor(kernel_grad_scale(in_kernel), dtype=torch.float32)
-                try:
+            if bucket.grad_valid:
+                self.layout.prepare_step(bucket, ticket)
+                groups = self.layout.steppers.groups(bucket, hyper)
+                grad_scale = clip.apply(bucket, groups) if clip is not None else None
+                if groups:
                     with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
-                        type(stepper).step(stepper)  # the class's step: [Note: scheduler step count]
-                finally:
-                    stepper.param_groups = original
-                    if in_kernel is not None:
-                        del stepper.grad_scale
-                        if shard is None:
-                            bucket.record_scale(in_kernel)
-            if shard is not None and bucket.grad_valid:
-                with maybe_span(self.trace, "optimizer", f"all-gather layers {list(bucket.layers)}"):
-                    self.data_parallel.all_gather(bucket.optim, f"the stepped weights of {bucket}")
+                        self.layout.steppers.step(bucket, hyper, grad_scale)
+                self.layout.finish_step(bucket)
             bucket.optim_version_seen = bucket.optim._version
             bucket.steps.optim += 1  # [Note: torn weights]
         finally:
             bucket.grads.end(ticket)
-
-    def _shard(self, bucket: Bucket) -> BucketShard | None:
-        return self._shards.shards[bucket.index] if self._shards is not None else None
-
-    def _reduce(self, bucket: Bucket, shard: BucketShard, ticket: int) -> None:
-        """This rank's range of the sum over ranks of `bucket`'s gradients, in its gradient turn `ticket`."""
-        with maybe_span(self.trace, "optimizer", f"reduce-scatter layers {list(bucket.layers)}"):
-            self.data_parallel.reduce_scatter(shard.grad, bucket.grad, f"the gradients of {bucket}")
-        shard.reduced_at = ticket
 
     def _write_back(self, bucket: Bucket, ticket: int) -> None:
         """Write the optimizer copy into the compute copy, in write turn `ticket`."""
@@ -247,41 +170,34 @@ class LaggedOptimizer(torch.optim.Optimizer):
         finally:
             bucket.reads.end_write(ticket)
 
-    def _lagged_step_job(self, bucket: Bucket, ticket: int, member_groups,
-                         clip: StepNorm | None) -> Callable[[], None]:
-        def step_bucket() -> None:
-            self._step_bucket(bucket, ticket, member_groups, clip)
+    # [Note: exact step without write-back]
+    # An exact step (`ExactStep`) writes the version its readers wait for straight into the optimizer copy, in the
+    # bucket's write turn, and the next uploads read that copy, cast to the compute dtype on the device. There is no
+    # write-back pass on the host: on one H200 (Qwen3-1.7B) the host step was the slower side of the exact
+    # iteration (about 21 ms a layer against a 14 ms backward), and the write-back was a quarter of it; the
+    # device casts in microseconds what costs the host a pass over every weight. The uploads carry the optimizer
+    # dtype (twice the bytes from float32 to bfloat16), which the copy engine overlaps with the step. The compute
+    # copies (what `engine.module` shows) are written only when someone on the host looks (`synchronize()`,
+    # checkpoints, `state_dict()`) and before a lagged step, which writes the optimizer copies outside the read
+    # tickets: `write_back_stale`.
 
-        return step_bucket
-
-    def _exact_step(self, bucket: Bucket, grad_ticket: int, write_ticket: int, member_groups,
-                    clip: StepNorm | None) -> None:
-        """[Note: exact step without write-back]
-        An exact step writes the version its readers wait for straight into the optimizer copy, in the bucket's
-        write turn, and the next uploads read that copy, cast to the compute dtype on the device. There is no
-        write-back pass on the host: on one H200 (Qwen3-1.7B) the host step was the slower side of the exact
-        iteration (about 21 ms a layer against a 14 ms backward), and the write-back was a quarter of it; the
-        device casts in microseconds what costs the host a pass over every weight. The uploads carry the optimizer
-        dtype (twice the bytes from float32 to bfloat16), which the copy engine overlaps with the step. The compute
-        copies (what `engine.module` shows) are written only when someone on the host looks (`synchronize()`,
-        checkpoints, `state_dict()`) and before a lagged step, which writes the optimizer copies outside the read
-        tickets: `write_back_stale`."""
+    def _exact_step(self, bucket: Bucket, grad_ticket: int, write_ticket: int, hyper: list[dict[str, Any]],
+                    clip: GradientClip | None) -> None:
+        """Step `bucket` in its write turn, where the next uploads read it ([Note: exact step without write-back])."""
         bucket.reads.begin_write(write_ticket, self.failure, f"readers of {bucket} before its exact step")
         try:
-            self._step_bucket(bucket, grad_ticket, member_groups, clip)
+            self._step_bucket(bucket, grad_ticket, hyper, clip)
             bucket.current_in_optim = True
         finally:
             bucket.reads.end_write(write_ticket)
 
-    def _clips_in_kernel(self, bucket: Bucket, groups: list[dict]) -> bool:
-        """[Note: clip in the kernel]
-        Whether torch's fused Adam/AdamW applies the clip itself: its kernel divides each gradient by `grad_scale`
-        as it reads it (the hook `GradScaler` uses) and leaves the divided gradient in `.grad`, as a clip would.
-        A separate scaling pass over the gradients cost 4-5 ms a layer on the host of an exact, clipped step, whose
-        whole host step sits between two iterations. The kernel reads the scale in float32, so this serves float32
-        gradients only (the scale's rounding is then that of the gradients'); float64 keeps the exact pass."""
-        return (isinstance(self._stepper, _FUSED_CPU) and bucket.grad.dtype == torch.float32
-                and all(g.get("fused") for g in groups))
+    def stepped_without_write_back(self, buckets: list[Bucket]) -> None:
+        """`buckets` got an exact step whose compute copies are not written yet."""
+        self._stale_compute.update((bucket.index, bucket) for bucket in buckets)
+
+    def hold_writeback(self, bucket: Bucket) -> None:
+        """`bucket` got a lagged step whose write-back waits for the next iteration's reads."""
+        self._held_writebacks.append(bucket)
 
     def write_back_after_failure(self, timeout_s: float = 10.0) -> None:
         """After a failure: once the optimizer thread has no job left (they are skipped or aborted at once), write
@@ -308,39 +224,6 @@ class LaggedOptimizer(torch.optim.Optimizer):
         for bucket in stale.values():
             self._submit_writeback(bucket, new_version=False)  # the version readers get already: no change
 
-    def _exact_step_job(self, entries: list[tuple[Bucket, int, int]], member_groups,
-                        clip: StepNorm | None) -> Callable[[], None]:
-        """[Note: exact step order]
-        One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
-        in backward order), always taking, among the buckets whose gradients are final, the lowest one: the next
-        iteration's forward needs the bottom layers first. While the backward runs that is simply each bucket as it
-        lands (top layers first); what is still waiting when the backward ends (the bottom layers, which land last;
-        every layer when a clip needs the global norm first) then goes bottom-up, so the next forward starts as
-        soon as its first layers are written ([Note: uploads as versions land]) instead of after the whole step.
-        Each bucket's step is written where the next upload reads it ([Note: exact step without write-back]).
-        Each bucket's step is independent of the others', so the order changes no result. Under data parallelism
-        the order is fixed instead, the same on every rank ([Note: data parallel]): backward order, or bottom-up
-        after a clip (whose jobs reduced every bucket first)."""
-        def step_in_fixed_order() -> None:
-            for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
-                self.failure.check()
-                self._exact_step(bucket, grad_ticket, write_ticket, member_groups, clip)
-
-        if self.data_parallel is not None:
-            return step_in_fixed_order
-
-        def step_as_gradients_land() -> None:
-            pending = list(entries)
-            while pending:
-                self.failure.check()  # one job for every bucket: stop at a failure as the job queue would
-                ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], self.failure,
-                                          f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
-                bucket, grad_ticket, write_ticket = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
-                pending.remove((bucket, grad_ticket, write_ticket))
-                self._exact_step(bucket, grad_ticket, write_ticket, member_groups, clip)
-
-        return step_as_gradients_land
-
     def _submit_writeback(self, bucket: Bucket, new_version: bool) -> None:
         ticket = bucket.reads.reserve_write()
         bucket.new_versions_reserved += new_version
@@ -361,7 +244,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
             self._reserve_zeroing(set_to_none)
 
     def _reserve_zeroing(self, set_to_none: bool) -> None:
-        for bucket in self._step_order:
+        for bucket in self.step_order:
             ticket = bucket.grads.reserve()
 
             def zero(bucket=bucket, ticket=ticket) -> None:
@@ -432,32 +315,16 @@ class LaggedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim.Optimizer API
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict; under data parallelism this rank's shard of it, with the world size,
-        the rank and the shard layout ([Note: data parallel])."""
+        """The user's optimizer's state dict (its format); under data parallelism this rank's shard of it, with the
+        world size, the rank and the shard layout ([Note: data parallel])."""
         self.synchronize()
-        if self._shards is not None:
-            return self._shards.state_dict()
-        return self.inner.state_dict()
+        return self.layout.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Under data parallelism: this rank's shard as `state_dict()` saved it (same world size), or a
+        """A state dict as `state_dict()` saved it; under data parallelism this rank's shard (same world size) or a
         one-process state dict, which each rank cuts to its shard."""
         self.synchronize()
-        if self._shards is not None:
-            self._shards.load_state_dict(state_dict)
-            self.state = self._stepper.state
-            prefer_fused(self._stepper)
-            return
-        meta = state_dict.get("data_parallel")
-        if meta is not None:
-            raise DataParallelError(
-                f"this optimizer state is rank {meta['rank']}'s shard of a run with {meta['world_size']} "
-                f"data-parallel processes; this engine runs on one process. Resume with {meta['world_size']} "
-                f"processes, each loading its own rank's file.")
-        self.inner.load_state_dict(state_dict)
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
-        prefer_fused(self.inner)
+        self.layout.load_state_dict(state_dict)
 
     def load_shards(self, shards: list[dict[str, Any]]) -> None:
         """The optimizer state of a data-parallel run with any number of processes, from the shards of all its
@@ -470,5 +337,7 @@ class LaggedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("add parameter groups to the optimizer before engine.wrap_optimizer(...).")
 
     def __repr__(self) -> str:
-        shard = f", {self.data_parallel}" if self.data_parallel is not None else ""
-        return f"LaggedOptimizer(async={self.async_step}{shard}, {self.inner!r})"
+        return f"RoundPipeOptimizer(async={self.async_step}, {self.layout!r}, {self.inner!r})"
+
+
+LaggedOptimizer = RoundPipeOptimizer  # its name before it stepped exactly by default

@@ -1,5 +1,7 @@
-"""This rank's share of the optimizer step under data parallelism: its range of every trainable bucket, an
-optimizer of the user's class over views of those ranges, and that shard's state dict ([Note: data parallel]).
+"""How a data-parallel rank steps: its range of every trainable bucket, an optimizer of the user's class over views
+of those ranges (the state owner of [Note: one owner of the step's groups]), the collectives around each bucket's
+step, and that shard's state dict ([Note: data parallel]). One process steps whole buckets instead
+(`whole_buckets.py`); the optimizer thread asks either the same things.
 
 [Note: shards of another world size]
 A shard's state dict carries its layout: per parameter of the shard optimizer, the bucket, the parameter's name and
@@ -8,7 +10,7 @@ every element of every stepped parameter once, so they join into the state dict 
 have (`full_state_of_shards`: element-wise tensors concatenated in range order, step counts taken as they are, the
 same on every rank), whatever the padding or the world size that cut them. That full state then loads anywhere: one
 process loads it as it is, N processes each cut their own range from it (`ShardedSteps._shard_of_full`). So a
-checkpoint written by M processes resumes on any number (`LaggedOptimizer.load_shards`); one rank's shard alone is
+checkpoint written by M processes resumes on any number (`RoundPipeOptimizer.load_shards`); one rank's shard alone is
 still refused by `load_state_dict` at another world size: it holds a part of the state only.
 """
 
@@ -21,8 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..telemetry.trace import maybe_span
 from .data_parallel import DataParallelError, DataParallelGroup
 from .host_store import Bucket, HostStore
+from .steppers import BucketSteppers, prefer_fused
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state (and scalars):
 # stepping any split of the elements separately is exactly the step of the whole.
@@ -57,12 +61,15 @@ class _Piece:
 
 @dataclass(eq=False)
 class ShardedSteps:
-    """Builds and holds the shard optimizer; see [Note: data parallel]."""
+    """Builds and holds the shard optimizer and its per-bucket steppers; runs the collectives of each bucket's step
+on the optimizer thread; see [Note: data parallel]."""
 
     user: torch.optim.Optimizer
     store: HostStore
     group: DataParallelGroup
+    trace: Any = None
     shards: dict[int, BucketShard] = field(default_factory=dict)  # bucket index -> its shard
+    fixed_order = True  # an exact step takes the buckets in the same order on every rank ([Note: exact step order])
 
     def __post_init__(self) -> None:
         if type(self.user) not in ELEMENTWISE_OPTIMIZERS:
@@ -95,15 +102,57 @@ class ShardedSteps:
                   for g, pieces in zip(self.user.param_groups, by_group)]
         accepted = inspect.signature(type(self.user).__init__).parameters
         self.optimizer = type(self.user)(groups, **{k: v for k, v in self.user.defaults.items() if k in accepted})
+        prefer_fused(self.optimizer)
+        self.steppers = BucketSteppers(self.optimizer, {i: shard.pieces for i, shard in self.shards.items()})
+
+    @property
+    def owner(self) -> torch.optim.Optimizer:
+        return self.optimizer
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def total_norm(self, squares: float) -> float:
+        """The clip's norm is the reduced (global) gradient's: the sum over ranks of their ranges' squares."""
+        return self.group.sum_on_optimizer_thread(squares, "the all-reduce of the gradient norm")
+
+    def _reduce(self, bucket: Bucket, ticket: int) -> None:
+        """This rank's range of the sum over ranks of `bucket`'s gradients, in its gradient turn `ticket`."""
+        shard = self.shards[bucket.index]
+        with maybe_span(self.trace, "optimizer", f"reduce-scatter layers {list(bucket.layers)}"):
+            self.group.reduce_scatter(shard.grad, bucket.grad, f"the gradients of {bucket}")
+        shard.reduced_at = ticket
+
+    def prepare_step(self, bucket: Bucket, ticket: int) -> None:
+        """Reduce `bucket`'s gradients unless the clip did in the turn just before (gradients added after it need
+        another reduction); the tickets are program order, the same on every rank."""
+        if self.shards[bucket.index].reduced_at != ticket - 1:
+            self._reduce(bucket, ticket)
+
+    def squared_norm(self, bucket: Bucket, ticket: int) -> float:
+        if not bucket.grad_valid:
+            return 0.0
+        self._reduce(bucket, ticket)  # the norm is the reduced (global) gradient's
+        return self.shards[bucket.index].squared_norm()
+
+    def scale(self, bucket: Bucket, coefficient: float) -> None:
+        self.shards[bucket.index].grad.mul_(coefficient)
+
+    def scaled_in_kernel(self, bucket: Bucket, coefficient: float) -> None:
+        """The kernel scaled this rank's reduced range, not the bucket's own gradients: nothing to record."""
+
+    def finish_step(self, bucket: Bucket) -> None:
+        """Every rank's stepped range into every rank's optimizer copy."""
+        with maybe_span(self.trace, "optimizer", f"all-gather layers {list(bucket.layers)}"):
+            self.group.all_gather(bucket.optim, f"the stepped weights of {bucket}")
+
+    def __repr__(self) -> str:
+        return f"ShardedSteps({self.group})"
 
     @staticmethod
     def _hyper(group: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in group.items() if k != "params"}
-
-    def groups_for(self, bucket: Bucket, member_groups) -> list[dict[str, Any]]:
-        """The shard optimizer's groups for `bucket`'s range, with the hyper-parameters `step()` snapshotted."""
-        pieces = self.shards[bucket.index].pieces
-        return [dict(snap, params=params) for (_, snap), params in zip(member_groups, pieces) if params]
 
     @property
     def layout(self) -> list[list]:
@@ -137,6 +186,8 @@ class ShardedSteps:
         self.optimizer.load_state_dict(state)
         for theirs, mine in zip(self.user.param_groups, self.optimizer.param_groups):
             theirs.update(self._hyper(mine))
+        prefer_fused(self.optimizer)
+        self.steppers.share_state(self.optimizer.state)
 
     def _shard_of_full(self, full: dict[str, Any]) -> dict[str, Any]:
         """A one-process state dict (the user's optimizer's format) cut to this rank's ranges."""

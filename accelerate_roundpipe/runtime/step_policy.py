@@ -1,0 +1,78 @@
+"""The two ways one optimizer step is scheduled on the optimizer thread: exact (the default) and lagged by one
+iteration (`async_optimizer`). Both step each bucket the same way (`RoundPipeOptimizer._step_bucket`); they differ
+in the tickets they reserve and in when the stepped weights reach the compute copies ([Note: one-step lag]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .clip import GradientClip
+from .host_store import Bucket
+from .sync import wait_for_any_turn
+
+if TYPE_CHECKING:
+    from .optimizer import RoundPipeOptimizer
+
+
+class ExactStep:
+    """Iteration k+1 reads the weights after step k: each bucket steps in its write turn, straight into the
+    optimizer copy the next uploads read ([Note: exact step without write-back])."""
+
+    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
+        entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write()) for bucket in optimizer.step_order]
+        for bucket in optimizer.step_order:
+            bucket.new_versions_reserved += 1
+        optimizer.thread.submit(self._job(optimizer, entries, hyper, clip))
+        optimizer.stepped_without_write_back(optimizer.step_order)
+
+    def _job(self, optimizer: RoundPipeOptimizer, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+             clip: GradientClip | None) -> Callable[[], None]:
+        """[Note: exact step order]
+        One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
+        in backward order), always taking, among the buckets whose gradients are final, the lowest one: the next
+        iteration's forward needs the bottom layers first. While the backward runs that is simply each bucket as it
+        lands (top layers first); what is still waiting when the backward ends (the bottom layers, which land last;
+        every layer when a clip needs the global norm first) then goes bottom-up, so the next forward starts as
+        soon as its first layers are written ([Note: uploads as versions land]) instead of after the whole step.
+        Each bucket's step is written where the next upload reads it ([Note: exact step without write-back]).
+        Each bucket's step is independent of the others', so the order changes no result. Under data parallelism
+        the order is fixed instead, the same on every rank ([Note: data parallel]): backward order, or bottom-up
+        after a clip (whose jobs reduced every bucket first)."""
+        failure = optimizer.failure
+
+        def step_in_fixed_order() -> None:
+            for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
+                failure.check()
+                optimizer._exact_step(bucket, grad_ticket, write_ticket, hyper, clip)
+
+        if optimizer.layout.fixed_order:
+            return step_in_fixed_order
+
+        def step_as_gradients_land() -> None:
+            pending = list(entries)
+            while pending:
+                failure.check()  # one job for every bucket: stop at a failure as the job queue would
+                ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], failure,
+                                          f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
+                entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
+                pending.remove(entry)
+                optimizer._exact_step(*entry, hyper, clip)
+
+        return step_as_gradients_land
+
+
+class LaggedStep:
+    """Iteration k+1 computes with the weights after step k-1 while step k runs beside it: each bucket steps as its
+    gradients are final, and its write-back waits until the next iteration reserved its reads."""
+
+    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
+        # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
+        # entitled to back into the compute copies ([Note: exact step without write-back]).
+        optimizer.write_back_stale()
+        for bucket in optimizer.step_order:
+            ticket = bucket.grads.reserve()
+            optimizer.thread.submit(lambda bucket=bucket, ticket=ticket:
+                                    optimizer._step_bucket(bucket, ticket, hyper, clip))
+            optimizer.hold_writeback(bucket)
