@@ -31,6 +31,15 @@ import torch
 from accelerate.utils import DynamoBackend, send_to_device
 from torch import nn
 
+from ..compat.accelerate_internals import (
+    check_accelerator_overrides,
+    is_prepared,
+    mark_prepared,
+    original_accelerator,
+    prepared_models,
+    prepared_optimizers,
+    turn_off_autocast,
+)
 from ..runtime import RoundPipe
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .checkpoint_files import read_optimizer_shard
@@ -80,6 +89,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                      "parallelism_config"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"RoundPipeAccelerator got `{name}`; {ONE_PROCESS} Drop `{name}`.")
+        check_accelerator_overrides(RoundPipeAccelerator, original_accelerator())  # [Note: compatibility reaches]
         self.roundpipe_plugin = roundpipe_plugin if roundpipe_plugin is not None else RoundPipePlugin()
         super().__init__(*args, **kwargs)
         check_distributed_type(self.distributed_type, self.num_processes)
@@ -124,7 +134,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             self.roundpipe_plugin.param_dtype = torch.bfloat16
             logger.info("mixed_precision='bf16': RoundPipe computes with bfloat16 compute copies and keeps float32 "
                         "optimizer copies (param_dtype=bfloat16).")
-        self.native_amp = False
+        turn_off_autocast(self)
 
     # ------------------------------------------------------------------ where things live
 
@@ -150,9 +160,10 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         if evaluation_mode and engine_of(model) is None and self.frozen_for_evaluation(model):
             model.requires_grad_(False)
         prepared = self._convert(model)
-        if prepared not in self._models:
-            self._models.append(prepared)
-        prepared._is_accelerate_prepared = True
+        models = prepared_models(self)
+        if prepared not in models:
+            models.append(prepared)
+        mark_prepared(prepared)
         return prepared
 
     def _convert(self, model: nn.Module) -> nn.Module:
@@ -170,13 +181,14 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
-        if getattr(optimizer, "_is_accelerate_prepared", False):
-            if optimizer not in self._optimizers:
-                self._optimizers.append(optimizer)
+        optimizers = prepared_optimizers(self)
+        if is_prepared(optimizer):
+            if optimizer not in optimizers:
+                optimizers.append(optimizer)
             return optimizer
         prepared = RoundPipeAcceleratedOptimizer(repoint_optimizer(optimizer, self._roundpipe_engines,
                                                                    self.roundpipe_optimizer_hint))
-        self._optimizers.append(prepared)
+        optimizers.append(prepared)
         return prepared
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
@@ -257,7 +269,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             if shards:  # [Note: one process per machine]: each rank's optimizer state is its shard
                 for index, optimizer in enumerate(shards):
                     torch.save(optimizer.state_dict(), os.path.join(location, self._shard_file(index)))
-            for index, model in enumerate(self._models):
+            for index, model in enumerate(prepared_models(self)):
                 engine = engine_of(model)
                 if engine is not None:
                     save_engine_extras(engine, location, suffix=self._extras_suffix(index))
@@ -273,7 +285,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
             finally:  # set aside by `_remember_load_dir`: one process loading the shards of several
                 if self._roundpipe_set_aside:
-                    self._optimizers[:] = shards = self._roundpipe_set_aside
+                    prepared_optimizers(self)[:] = shards = self._roundpipe_set_aside
         directory = self._roundpipe_load_dir
         if directory is None:
             return
@@ -294,7 +306,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                 raise missing_shard_error(directory, self._shard_file(index, world_size=1), self.process_index,
                                           self.num_processes)
             optimizer.load_state_dict(read_optimizer_shard(path))
-        for index, model in enumerate(self._models):
+        for index, model in enumerate(prepared_models(self)):
             engine = engine_of(model)
             if engine is not None:  # another world size's: rank 0's (the same weights and state on every rank)
                 suffix = self._extras_suffix(index) if written is None else \
@@ -323,30 +335,33 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         if self.num_processes <= 1:
             yield []
             return
-        saved = list(self._optimizers)
-        self._optimizers[:] = []
+        optimizers = prepared_optimizers(self)
+        saved = list(optimizers)
+        optimizers[:] = []
         try:
             yield saved
         finally:
-            self._optimizers[:] = saved
+            optimizers[:] = saved
 
     def _remember_load_dir(self, models, input_dir: str) -> None:
         """accelerate's pre-load hook: where the state is loaded from; on one process, when the optimizer files are
         the shards of several, the optimizers are set aside (accelerate would look for `optimizer.bin`) and
         `load_state` joins the shards into them ([Note: shards of another world size])."""
         self._roundpipe_load_dir = input_dir
-        if self.num_processes == 1 and self._optimizers and written_by_another_world_size(
+        optimizers = prepared_optimizers(self)
+        if self.num_processes == 1 and optimizers and written_by_another_world_size(
                 input_dir, self._shard_file(0, world_size=1), 0, 1) is not None:
-            self._roundpipe_set_aside = list(self._optimizers)
-            self._optimizers[:] = []
+            self._roundpipe_set_aside = list(optimizers)
+            optimizers[:] = []
 
     @contextlib.contextmanager
     def _models_as_engine_weights(self):
         """accelerate loads model weights with `model.load_state_dict`; route RoundPipe models through the engine
         (same list positions, so the file names accelerate picks stay right)."""
-        saved = list(self._models)
-        self._models[:] = [EngineWeights(e) if (e := engine_of(m)) is not None else m for m in saved]
+        models = prepared_models(self)
+        saved = list(models)
+        models[:] = [EngineWeights(e) if (e := engine_of(m)) is not None else m for m in saved]
         try:
             yield
         finally:
-            self._models[:] = saved
+            models[:] = saved

@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..compat.hf_models import check_zero_grad_replacement, patch_methods
 from ..config import RoundPipeConfig
 from ..models import CausalLMRoundPipe, UnsupportedModelError, wrap_model
 from ..runtime import RoundPipe
@@ -77,8 +78,10 @@ def _patch_zero_grad(module: nn.Module, engine: RoundPipe) -> None:
     `transformers.Trainer` and many loops clear gradients through the model, not the optimizer; the gradients live
     on the optimizer copies, so the call is routed to the lagged optimizer, which clears them in order with the
     pending steps. Without an optimizer the engine is synchronized and the gradients are zeroed in place.
+    The patch is one of the [Note: compatibility reaches].
     """
-    module.zero_grad = functools.partial(_zero_engine_grads, weakref.ref(engine))
+    check_zero_grad_replacement()
+    patch_methods(module, {"zero_grad": functools.partial(_zero_engine_grads, weakref.ref(engine))})
 
 
 def _zero_engine_grads(engine_ref: weakref.ref, set_to_none: bool = True) -> None:

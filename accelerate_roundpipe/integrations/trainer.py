@@ -31,8 +31,16 @@ from typing import Any
 import torch
 from accelerate.utils import send_to_device
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
+from ..compat.hf_trainer import (
+    check_trainer_overrides,
+    limit_gpus_per_process,
+    rotate_checkpoints,
+    trainer_file_names,
+    trainer_module_name_swapped,
+    trainer_module_original,
+)
 from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
 from .accelerator import RoundPipeAccelerator
@@ -84,7 +92,7 @@ def check_training_args(args) -> None:
                            name)
             setattr(args, name, False)
     # One process drives every GPU: no DataParallel, and `train_batch_size` is not multiplied by the GPU count.
-    args._n_gpu = min(args.n_gpu, 1)
+    limit_gpus_per_process(args, 1)
 
 
 def check_batch_against_microbatches(args, plugin) -> None:
@@ -119,6 +127,7 @@ class RoundPipeTrainer(Trainer):
     `TrainingArguments` (RoundPipe settings then come from `ROUNDPIPE_*`) or a `RoundPipeTrainingArguments`."""
 
     def __init__(self, model=None, args=None, *more, **kwargs) -> None:
+        check_trainer_overrides(RoundPipeTrainer, Trainer)  # [Note: compatibility reaches]
         if args is None:
             args = RoundPipeTrainingArguments(output_dir="tmp_trainer")
         check_training_args(args)
@@ -141,16 +150,11 @@ class RoundPipeTrainer(Trainer):
     # ------------------------------------------------------------------ placement
 
     def create_accelerator_and_postprocess(self) -> None:
-        import transformers.trainer as trainer_module
-
         # The base class builds `Accelerator(**kwargs)` from its module namespace; swap in ours for that one call
         # rather than copying the version-specific set-up code.
-        original = trainer_module.Accelerator
-        trainer_module.Accelerator = functools.partial(RoundPipeAccelerator, roundpipe_plugin=self.roundpipe_plugin)
-        try:
+        ours = functools.partial(RoundPipeAccelerator, roundpipe_plugin=self.roundpipe_plugin)
+        with trainer_module_name_swapped("Accelerator", ours, Trainer.create_accelerator_and_postprocess):
             super().create_accelerator_and_postprocess()
-        finally:
-            trainer_module.Accelerator = original
         self.accelerator.frozen_for_evaluation = self._is_auxiliary_model
 
     def _is_auxiliary_model(self, model) -> bool:
@@ -193,20 +197,15 @@ class RoundPipeTrainer(Trainer):
         is in `create_accelerator_and_postprocess`."""
         if self.args.world_size <= 1:
             return super()._maybe_log_save_evaluate(*args, **kwargs)
-        import transformers.trainer as trainer_module
-
-        original, timeout_s = trainer_module.nested_gather, self._wait_timeout_s
+        original, timeout_s = trainer_module_original("nested_gather"), self._wait_timeout_s
 
         def named_gather(tensors, *more, **options):
             with named_collective("the Trainer's all-gather of the training loss it logs (nested_gather)",
                                   timeout_s):
                 return original(tensors, *more, **options)
 
-        trainer_module.nested_gather = named_gather
-        try:
+        with trainer_module_name_swapped("nested_gather", named_gather, Trainer._maybe_log_save_evaluate):
             return super()._maybe_log_save_evaluate(*args, **kwargs)
-        finally:
-            trainer_module.nested_gather = original
 
     # ------------------------------------------------------------------ live metrics
 
@@ -326,8 +325,7 @@ class RoundPipeTrainer(Trainer):
                 self._staging_run_dir = None
             self._record_best_checkpoint(run_dir, staging, final)
         if self.args.should_save:  # the rotation the Trainer ran inside the staging directory, redone in the run's
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
 
     def _record_best_checkpoint(self, run_dir: str, staging: str, final: str) -> None:
         """Point `best_model_checkpoint` at the run directory (the Trainer looked for it in the staging one), and
@@ -338,8 +336,7 @@ class RoundPipeTrainer(Trainer):
         if best != final and not os.path.isdir(best):
             return
         self.state.best_model_checkpoint = best
-        from transformers.trainer import TRAINER_STATE_NAME
-
+        TRAINER_STATE_NAME, _, _ = trainer_file_names()
         state_file = os.path.join(staging, os.path.basename(final), TRAINER_STATE_NAME)
         if self.args.should_save and os.path.isfile(state_file):
             self.state.save_to_json(state_file)
@@ -356,16 +353,14 @@ class RoundPipeTrainer(Trainer):
     def _save_optimizer_shard(self, output_dir: str) -> None:
         """Every rank writes its optimizer state (a shard, [Note: one process per machine]); the main process the
         scheduler, as the Trainer does."""
-        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-
+        _, OPTIMIZER_NAME, SCHEDULER_NAME = trainer_file_names()
         os.makedirs(output_dir, exist_ok=True)
         torch.save(self.optimizer.state_dict(), os.path.join(output_dir, self._shard_name(OPTIMIZER_NAME)))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        from transformers.trainer import OPTIMIZER_NAME
-
+        _, OPTIMIZER_NAME, _ = trainer_file_names()
         suffix = self._rank_suffix()
         other = written_by_another_world_size(checkpoint, OPTIMIZER_NAME, self.args.process_index,
                                               self.args.world_size) if checkpoint is not None else None
@@ -384,8 +379,7 @@ class RoundPipeTrainer(Trainer):
     def _load_optimizer_of_another_world_size(self, checkpoint: str, paths: list[str], written: int) -> None:
         """The optimizer state a run with `written` processes saved, loaded into this one's: the shards of all its
         ranks joined into the one-process state, of which each rank here takes its range."""
-        from transformers.trainer import SCHEDULER_NAME
-
+        _, _, SCHEDULER_NAME = trainer_file_names()
         if not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
             return  # as the Trainer: nothing to resume (e.g. save_only_model)
         lagged = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -403,8 +397,7 @@ class RoundPipeTrainer(Trainer):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_optimizer_shard(self, checkpoint: str | None) -> None:
-        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-
+        _, OPTIMIZER_NAME, SCHEDULER_NAME = trainer_file_names()
         if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
             return  # as the Trainer: nothing to resume (e.g. save_only_model)
         path = os.path.join(checkpoint, self._shard_name(OPTIMIZER_NAME))

@@ -41,14 +41,15 @@ def __getattr__(name: str):
 @functools.cache
 def _roundpipe_trl_trainer(trl_name: str) -> type:
     try:
-        import trl
+        import trl  # noqa: F401 - imported here for the error below; the class comes through compat
     except ImportError as error:
         raise ImportError(
             f"RoundPipe{trl_name} needs TRL: `pip install trl` (or `pip install accelerate-roundpipe[test]`)."
         ) from error
+    from ..compat.trl_internals import trl_trainer
     from .trainer import RoundPipeTrainer
 
-    base = getattr(trl, trl_name)
+    base = trl_trainer(trl_name, RoundPipeTrainer.__bases__[0])  # [Note: compatibility reaches]
     doc = (
         f"`trl.{trl_name}` whose model (and reference model) runs on RoundPipe. Takes the same arguments; "
         f"RoundPipe settings come from `ROUNDPIPE_*` or `roundpipe_*` fields of a `RoundPipeTrainingArguments` "

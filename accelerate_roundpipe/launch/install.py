@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
+from ..compat.launcher_swaps import SWAPPED, swap_target
 from ..integrations.plugin import RoundPipePlugin
 
 _originals: dict[tuple[str, str], object] = {}
@@ -23,23 +24,20 @@ def _targets() -> list[tuple[str, str, object]]:
     from ..integrations.trainer import RoundPipeTrainer
     from ..integrations.training_args import RoundPipeTrainingArguments
 
-    return [
-        ("accelerate", "Accelerator", RoundPipeAccelerator),
-        ("accelerate.accelerator", "Accelerator", RoundPipeAccelerator),
-        ("transformers", "Trainer", RoundPipeTrainer),
-        ("transformers.trainer", "Trainer", RoundPipeTrainer),
-        ("transformers", "TrainingArguments", RoundPipeTrainingArguments),
-        ("transformers.training_args", "TrainingArguments", RoundPipeTrainingArguments),
-    ]
+    replacements = {"Accelerator": RoundPipeAccelerator, "Trainer": RoundPipeTrainer,
+                    "TrainingArguments": RoundPipeTrainingArguments}
+    return [(module_name, attribute, replacements[attribute]) for module_name, attribute in SWAPPED]
 
 
 def install() -> None:
-    """Swap RoundPipe in (idempotent). The `ROUNDPIPE_*` settings are checked now, before any script code runs."""
+    """Swap RoundPipe in (idempotent). The `ROUNDPIPE_*` settings are checked now, before any script code runs, and
+    every name swapped is checked to still hold the class RoundPipe's is built on ([Note: compatibility reaches])."""
     RoundPipePlugin()
-    for module_name, attribute, replacement in _targets():
-        module = importlib.import_module(module_name)
-        _originals.setdefault((module_name, attribute), getattr(module, attribute))
-        setattr(module, attribute, replacement)
+    targets = _targets()
+    currents = [swap_target(module_name, attribute, replacement) for module_name, attribute, replacement in targets]
+    for (module_name, attribute, replacement), current in zip(targets, currents):
+        _originals.setdefault((module_name, attribute), current)
+        setattr(importlib.import_module(module_name), attribute, replacement)
 
 
 def uninstall() -> None:

@@ -22,6 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat.hf_models import (
+    SavePretrainedCall,
+    class_method,
+    has_transformers_adapters,
+    patch_methods,
+    restore_methods,
+    save_pretrained_call,
+)
+from ..compat.trl_internals import fused_head_setting, fused_output_class
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
 from ..runtime.saved_weights import model_dtype, model_dtype_state_dict
@@ -69,10 +78,12 @@ class CausalLMRoundPipe(RoundPipe):
         object.__setattr__(self, "split", split)
         self.fused_kernels = kernels_applied  # Liger kernels applied to the decoder layers (see models/kernels.py)
         self.train(model.training)
-        self._originals = {name: model.__dict__.get(name) for name in ("forward", "generate", "save_pretrained")}
-        model.forward = self._hf_forward
-        model.generate = functools.partial(self._generate, type(model).generate.__get__(model))
-        model.save_pretrained = self._save_pretrained
+        # The user's object keeps its identity; its methods route through the engine
+        # ([Note: compatibility reaches]).
+        self._originals = patch_methods(model, {
+            "forward": self._hf_forward,
+            "generate": functools.partial(self._generate, class_method(model, "generate")),
+            "save_pretrained": self._save_pretrained})
 
     # ------------------------------------------------------------------ engine API with HF batches
 
@@ -162,14 +173,12 @@ class CausalLMRoundPipe(RoundPipe):
     def _fused_lm_head_output(self, batch: dict[str, Any], labels, shift_labels, num_items_in_batch):
         """What TRL's fused LM head returns for `model(**batch, labels=labels, fused_lm_head=True)`, computed by the
         pipeline ([Note: per-token fields])."""
-        from trl.trainer.utils import FusedCausalLMOutput
-
         if shift_labels is not None:
             raise ValueError("`shift_labels` (pre-shifted labels, from context or sequence parallelism) is not "
                              "supported by the RoundPipe engine, which replaces those; pass unshifted `labels`.")
         if labels is None:
             raise ValueError("`fused_lm_head=True` needs `labels`: the tokens whose log-probabilities are wanted.")
-        temperature = _trl_head_setting(self._originals.get("forward"), "temperature", 1.0)
+        temperature = fused_head_setting(self.module, self._originals.get("forward"), "temperature", 1.0)
         if temperature != 1.0:
             raise ValueError(f"TRL's fused LM head was added with temperature={temperature}; the RoundPipe engine "
                              f"computes log-probabilities at temperature 1 only (SFT and DPO use 1).")
@@ -178,7 +187,7 @@ class CausalLMRoundPipe(RoundPipe):
         per_token = dict(zip(FIELDS, fields.unbind(-1)))
         per_token["is_top1"] = per_token["is_top1"].bool()
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / count, label_mask=mask, **per_token)
+        return fused_output_class()(loss=-per_token["log_probs"].sum() / count, label_mask=mask, **per_token)
 
     def _generate(self, original_generate, *args, **kwargs):
         # The pipeline keeps no KV cache: every new token reruns the whole sequence (see docs: generation).
@@ -189,11 +198,11 @@ class CausalLMRoundPipe(RoundPipe):
         """The model's own `save_pretrained`, after the lagged step is flushed, writing the model in its own dtype
         from the optimizer copies, not the narrower compute copies ([Note: saved model dtype])."""
         self.synchronize()
-        if kwargs.get("state_dict") is None and len(args) < 3:  # the caller's own state dict is saved as given
+        call: SavePretrainedCall = save_pretrained_call(self.module, args, kwargs)
+        if not call.gives_state_dict and not call.state_dict_positional:  # the caller's own is saved as given
             kwargs["state_dict"] = model_dtype_state_dict(self)
         result = type(self.module).save_pretrained(self.module, *args, **kwargs)
-        self._config_shows_model_dtype(args[0] if args else kwargs.get("save_directory"),
-                                       kwargs.get("is_main_process", args[1] if len(args) > 1 else True))
+        self._config_shows_model_dtype(call.save_directory, call.is_main_process)
         return result
 
     def _config_shows_model_dtype(self, directory, is_main_process) -> None:
@@ -210,8 +219,7 @@ class CausalLMRoundPipe(RoundPipe):
             return
         config.dtype = name
         written = os.path.join(os.fspath(directory), "config.json") if directory is not None else None
-        if is_main_process and written and os.path.isfile(written) and not getattr(model, "_hf_peft_config_loaded",
-                                                                                    False):
+        if is_main_process and written and os.path.isfile(written) and not has_transformers_adapters(model):
             config.save_pretrained(directory)
 
     def close(self) -> None:
@@ -219,22 +227,8 @@ class CausalLMRoundPipe(RoundPipe):
         try:
             super().close()
         finally:
-            model = self._modules["module"]  # not `self.module`: refused when a failure tore the weights
-            for name, original in self._originals.items():
-                if original is None:
-                    model.__dict__.pop(name, None)
-                else:
-                    model.__dict__[name] = original
-
-
-def _trl_head_setting(patched_forward, name: str, default):
-    """A setting `add_fused_lm_head` closed over (its `temperature`), read from the forward it patched in; `default`
-    when the model's forward was not patched by TRL."""
-    function = getattr(patched_forward, "__func__", patched_forward)
-    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
-    if code is None or not cells or name not in code.co_freevars:
-        return default
-    return cells[code.co_freevars.index(name)].cell_contents
+            # not `self.module`: refused when a failure tore the weights
+            restore_methods(self._modules["module"], self._originals)
 
 
 def wrap_model(model: nn.Module, config: RoundPipeConfig | None = None, **kwargs: Any) -> CausalLMRoundPipe:

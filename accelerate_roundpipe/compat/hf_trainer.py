@@ -1,0 +1,112 @@
+"""The reaches of `RoundPipeTrainer` into `transformers.Trainer` and `TrainingArguments`
+([Note: compatibility reaches]). Written against transformers 5.24."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+
+from . import (
+    LibraryChangedError,
+    check_overrides,
+    mentions,
+    require_attribute,
+    require_mention,
+    require_parameters,
+)
+
+LIBRARY = "transformers"
+
+# Every method of `transformers.Trainer` that `RoundPipeTrainer` overrides, with the parameters it passes on to (or
+# receives from) the base method positionally, in order; None: it passes `*args, **kwargs` through unchanged.
+TRAINER_OVERRIDES: dict[str, tuple[str, ...] | None] = {
+    "create_accelerator_and_postprocess": (),
+    "_move_model_to_device": ("model", "device"),
+    "_wrap_model": ("model", "training", "dataloader"),
+    "_prepare_input": ("data",),
+    "get_batch_samples": ("epoch_iterator", "num_batches", "device"),
+    "_get_num_items_in_batch": ("batch_samples", "device"),
+    "_maybe_log_save_evaluate": None,
+    "log": ("logs",),
+    "training_step": ("model", "inputs", "num_items_in_batch"),
+    "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_get_output_dir": ("trial",),
+    "_save_checkpoint": ("model", "trial"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_best_model": (),
+}
+
+
+def check_trainer_overrides(cls: type, base: type) -> None:
+    """`RoundPipeTrainer`'s overrides of `transformers.Trainer` (`TRAINER_OVERRIDES`) still override something, with
+    the parameters it passes; its own helpers shadow nothing of the Trainer's. Written against transformers 5.24,
+    where each of these methods exists with these parameters."""
+    check_overrides(cls, base, TRAINER_OVERRIDES, LIBRARY)
+
+
+def _trainer_module():
+    return importlib.import_module("transformers.trainer")
+
+
+@contextlib.contextmanager
+def trainer_module_name_swapped(name: str, replacement: object, used_by: Callable) -> Iterator[None]:
+    """`transformers.trainer.<name>` is `replacement` for the block: the Trainer's method `used_by` looks the name
+    up in its module's globals, so this changes what that one call builds or calls without copying its
+    version-specific code. Used for `Accelerator` (in `create_accelerator_and_postprocess`, so that the Trainer
+    builds a `RoundPipeAccelerator`) and `nested_gather` (in `_maybe_log_save_evaluate`, so that its all-gather is
+    named when it fails). Checked: the module still has the name and `used_by` still looks it up (transformers
+    5.24)."""
+    module = _trainer_module()
+    reach = f"transformers.trainer.{name}, swapped while Trainer.{used_by.__name__} runs"
+    original = require_attribute(module, name, LIBRARY, reach)
+    require_mention(used_by, name, LIBRARY, reach)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def trainer_module_original(name: str) -> object:
+    """`transformers.trainer.<name>` as it is now (the function `trainer_module_name_swapped` wraps)."""
+    return require_attribute(_trainer_module(), name, LIBRARY, f"transformers.trainer.{name}")
+
+
+def limit_gpus_per_process(args, most: int) -> None:
+    """`args.n_gpu` at most `most`: RoundPipe drives every GPU from one process, so the Trainer must neither wrap
+    the model in `DataParallel` nor multiply the batch size by the GPU count. `TrainingArguments.n_gpu` is a
+    read-only property over the private `_n_gpu` that `_setup_devices` fills (transformers 5.24); checked on the
+    class, so that any `args` object (a subclass, a test's stand-in) is set the same way."""
+    from transformers import TrainingArguments
+
+    reach = "TrainingArguments._n_gpu (behind the n_gpu property)"
+    n_gpu = inspect.getattr_static(TrainingArguments, "n_gpu", None)
+    if not isinstance(n_gpu, property) or not mentions(n_gpu.fget, "_n_gpu"):
+        raise LibraryChangedError(LIBRARY, reach, "`TrainingArguments.n_gpu` is no longer a property reading `_n_gpu`")
+    args._n_gpu = min(args.n_gpu, most)  # reading `n_gpu` first runs `_setup_devices`, which would overwrite it
+
+
+def trainer_file_names() -> tuple[str, str, str]:
+    """The names of the files a Trainer checkpoint holds: `TRAINER_STATE_NAME`, `OPTIMIZER_NAME`, `SCHEDULER_NAME`
+    of `transformers.trainer` (transformers 5.24), which RoundPipe writes and reads per rank."""
+    module = _trainer_module()
+    return tuple(require_attribute(module, name, LIBRARY, f"transformers.trainer.{name}")
+                 for name in ("TRAINER_STATE_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME"))
+
+
+def rotate_checkpoints(output_dir: str, save_total_limit, best_model_checkpoint) -> None:
+    """`transformers.trainer_utils.rotate_checkpoints` by modification time: the rotation the Trainer ran inside a
+    staging directory ([Note: staged checkpoints]), redone in the run directory. Checked: it takes these keyword
+    parameters (transformers 5.24)."""
+    module = importlib.import_module("transformers.trainer_utils")
+    reach = "transformers.trainer_utils.rotate_checkpoints"
+    rotate = require_attribute(module, "rotate_checkpoints", LIBRARY, reach)
+    require_parameters(rotate, ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"), LIBRARY,
+                       reach, leading=False)
+    rotate(output_dir=output_dir, save_total_limit=save_total_limit, best_model_checkpoint=best_model_checkpoint,
+           use_mtime=True)

@@ -1,0 +1,44 @@
+"""The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
+the GPU machine). The callers sit in files another change is reworking (`integrations/data_parallel.py`,
+`runtime/optimizer.py`); they move here with it."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+
+import torch
+
+from . import LibraryChangedError, require_attribute, require_mention, require_parameters
+
+LIBRARY = "torch"
+
+
+def set_default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Make the default process group's collectives time out after `timeout` ([Note: collective timeouts]):
+    `torch.distributed.distributed_c10d._set_pg_timeout(timeout, group=None)`, private, the only way to change a
+    live group's timeout (torch 2.11 and 2.13)."""
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    reach = "torch.distributed.distributed_c10d._set_pg_timeout"
+    set_timeout = require_attribute(c10d, "_set_pg_timeout", LIBRARY, reach)
+    require_parameters(set_timeout, ("timeout", "group"), LIBRARY, reach)
+    set_timeout(timeout)
+
+
+def mark_stepped_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Say to an LR scheduler built on `optimizer` that its step was taken: the `_opt_called` flag its wrapper of
+    `optimizer.step` sets and `LRScheduler.step` reads, to warn "lr_scheduler.step() before optimizer.step()" (torch
+    2.13). RoundPipe's step runs later, on another thread ([Note: scheduler step count])."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    require_mention(LRScheduler.step, "_opt_called", LIBRARY, "the `_opt_called` flag LRScheduler.step reads")
+    optimizer._opt_called = True
+
+
+def backward_node_class(function: type) -> type:
+    """The class of the autograd node a `torch.autograd.Function` subclass's outputs carry as `grad_fn`: its
+    private `_backward_cls` (torch 2.13), by which RoundPipe recognises its own nodes in a loss's graph."""
+    node = require_attribute(function, "_backward_cls", LIBRARY, "torch.autograd.Function._backward_cls")
+    if not isinstance(node, type):
+        raise LibraryChangedError(LIBRARY, "torch.autograd.Function._backward_cls", "it is no longer a class")
+    return node
