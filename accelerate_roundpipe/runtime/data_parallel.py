@@ -443,3 +443,47 @@ class DataParallelGroup:
         # On stream 0, whose group is `optimizer_group`: in order with the chunks queued there before it.
         self._run_on_streams(what, [lambda: self.dist.all_reduce(tensor, group=self.optimizer_group)])
         return float(tensor[0])
+
+    # ---------------------------------------------- the engine's exchange ([Note: gradient exchange])
+
+    @property
+    def group(self) -> DataParallelGroup:
+        return self
+
+    def bind(self, failure: FailureFlag, finish_with_peers: Callable[[], None]) -> None:
+        """The engine's failure flag (its failure abandons the optimizer thread's collectives) and its "finish the
+        steps with the peers", run at exit ([Note: clean exit under data parallelism]) or when it is dropped."""
+        self.failure = failure
+        self.before_exit = finish_with_peers
+
+    def optimizer_layout(self, user: torch.optim.Optimizer, store: HostStore, trace=None):
+        """This rank's shard of the step of `user` ([Note: data parallel])."""
+        from .shards import ShardedSteps
+
+        return ShardedSteps(user, store, self, trace)
+
+    def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
+        return self.exchange(values, what)
+
+    def global_loss(self, loss: torch.Tensor, what: str) -> torch.Tensor:
+        """The loss of the global batch: every rank's share of it, added."""
+        total = self.exchange([float(loss), 0.0, 0.0], what)[0]
+        return torch.tensor(total, dtype=torch.float64).to(loss.dtype)
+
+    def pass_failed(self, error: BaseException, where: str, failure: FailureFlag) -> None:
+        """This rank's pass failed while the other ranks wait for it in the pass's exchange: tell them (they raise
+        naming this rank and its error), and fail this engine too, since theirs fail."""
+        self.tell_failure(error, where)
+        failure.fail_here(error, where)
+
+    def before_abandon(self) -> None:
+        """The engine is dropped: its queued steps are finished with the peers first; cancelled, they would leave
+        the peers inside this rank's last collectives ([Note: end of a data-parallel run])."""
+        if self.before_exit is not None:
+            self.before_exit()
+
+    def meet_peers(self, only_after_collectives: bool = False) -> None:
+        """`barrier()`; with `only_after_collectives`, only when the optimizer thread issued collectives since the
+        last one ([Note: end of a data-parallel run])."""
+        if not only_after_collectives or self.collectives_since_barrier:
+            self.barrier()

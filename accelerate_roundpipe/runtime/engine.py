@@ -26,19 +26,18 @@ from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
 from .adapter_switches import AdapterSwitches
-from .data_parallel import DataParallelGroup, wants_data_parallel
+from .data_parallel import DataParallelGroup
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
+from .gradient_exchange import NoExchange, gradient_exchange
 from .host_store import HostStore
 from .jobs import PassState
 from .measured_plan import MeasuredPlan
 from .microbatches import MicrobatchPolicy, loss_count_totals, loss_shares, split_rows, tensor_tuple
 from .optimizer import RoundPipeOptimizer
-from .shards import ShardedSteps
 from .sync import EngineClosedError, FailureFlag, Future
 from .torn import TornGuard
-from .whole_buckets import WholeBuckets
 
 logger = logging.getLogger(__name__)
 CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
@@ -51,8 +50,8 @@ class _Background:
     dispatch: Dispatcher  # the device workers, started on first use
     deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
     failure: FailureFlag  # closed to cancel pending work when the engine is dropped without close()
+    exchange: NoExchange | DataParallelGroup  # [Note: gradient exchange]
     optimizer: RoundPipeOptimizer | None = None
-    data_parallel: DataParallelGroup | None = None
 
     def abandon(self) -> None:
         """The engine was dropped without `close()`: cancel what is still pending instead of finishing it (a step
@@ -60,12 +59,10 @@ class _Background:
         every wait in those threads abort within a poll interval, so the joins below return promptly. Under data
         parallelism the queued steps are finished first and the ranks meet ([Note: end of a data-parallel run]):
         cancelled, they would leave the peers inside this rank's last collectives."""
-        if self.data_parallel is not None:
-            self.finish_collectives()
+        self.exchange.before_abandon()  # data-parallel: finish_collectives
         self.failure.close()
         self.stop()
-        if self.data_parallel is not None:
-            self.data_parallel.close(clean=False)  # its stream threads end; at exit they are waited for
+        self.exchange.close(clean=False)  # its stream threads end; at exit they are waited for
 
     def finish_collectives(self) -> None:
         """At exit or when dropped, healthy, data-parallel: drain the optimizer thread (its queued steps wait only
@@ -81,8 +78,7 @@ class _Background:
             if self.optimizer is not None:
                 self.optimizer.thread.wait_idle()
                 self.failure.check()
-            if self.data_parallel.collectives_since_barrier:
-                self.data_parallel.barrier()
+            self.exchange.meet_peers(only_after_collectives=True)
         except Exception as error:  # noqa: BLE001 - at exit nobody can catch it; the peers see their own errors
             logger.warning("RoundPipe could not finish its data-parallel steps with the other ranks before exiting: "
                            "%s", error)
@@ -164,28 +160,24 @@ class RoundPipe(nn.Module):
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         exact_steps = not self.config.resolved_async_optimizer or bool(self.config.async_warmup_steps)
-        # One rank of a data-parallel group over torch.distributed, or None ([Note: data parallel]).
-        self.data_parallel: DataParallelGroup | None = \
-            DataParallelGroup(self.config.resolved_wait_timeout_s) if wants_data_parallel(self.config.data_parallel) \
-            else None
+        # One process, or one rank of a data-parallel group over torch.distributed ([Note: gradient exchange]).
+        self._exchange = gradient_exchange(self.config.data_parallel, self.config.resolved_wait_timeout_s)
+        self.data_parallel: DataParallelGroup | None = self._exchange.group  # [Note: data parallel]
         self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names,
                                 pin_optimizer_copies=exact_steps,
-                                pad_multiple=self.data_parallel.pad_multiple if self.data_parallel else 1)
-        if self.data_parallel is not None:
-            self.data_parallel.check_same("the engine settings", self._settings_every_rank_shares())
-            self.data_parallel.broadcast_weights(self._store)
+                                pad_multiple=self._exchange.pad_multiple)
+        self._exchange.check_same("the engine settings", self._settings_every_rank_shares())
+        self._exchange.broadcast_weights(self._store)
         self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
-        if self.data_parallel is not None:
-            self.data_parallel.failure = self._failure
         self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
         self._num_passes = 0
         # The RNG streams' keys: training passes and evaluation passes count apart ([Note: RNG streams of passes]).
         self._training_passes = 0
         self._evaluation_passes = 0
         dp = self.data_parallel  # one trace file per rank ([Note: one trace per rank])
-        self.trace = TraceRecorder(self.config.trace_path, dp.rank if dp else None, dp.world_size if dp else 1) \
+        self.trace = TraceRecorder(self.config.trace_path, dp.rank if dp else None, self._exchange.world_size) \
             if self.config.trace_path else None
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
@@ -194,10 +186,9 @@ class RoundPipe(nn.Module):
         self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
-        self._background = _Background(self._dispatch, self._deferred, self._failure,
-                                       data_parallel=self.data_parallel)
-        if self.data_parallel is not None:  # run at exit ([Note: clean exit under data parallelism])
-            self.data_parallel.before_exit = self._background.finish_collectives
+        self._background = _Background(self._dispatch, self._deferred, self._failure, self._exchange)
+        # Run at exit ([Note: clean exit under data parallelism]) or when dropped.
+        self._exchange.bind(self._failure, self._background.finish_collectives)
         # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
         self._torn = TornGuard(self._store.buckets, self._failure)
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
@@ -265,10 +256,9 @@ class RoundPipe(nn.Module):
         if isinstance(optimizer, RoundPipeOptimizer):
             return optimizer
         self._failure.check()
-        if self.data_parallel is not None:
-            self.data_parallel.check_same("the optimizer", {
-                "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-                "parameters per group": [len(g["params"]) for g in optimizer.param_groups]})
+        self._exchange.check_same("the optimizer", {
+            "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "parameters per group": [len(g["params"]) for g in optimizer.param_groups]})
         if self.optimizer is not None:
             self.synchronize()
             self.optimizer.close()
@@ -276,15 +266,10 @@ class RoundPipe(nn.Module):
                                                         self.config.resolved_async_optimizer,
                                                         deferred_passes=self._deferred, trace=self.trace,
                                                         exact_steps_first=self.config.resolved_async_warmup_steps,
-                                                        layout_of=self._optimizer_layout)
+                                                        layout_of=lambda user: self._exchange.optimizer_layout(
+                                                            user, self._store, self.trace))
         self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
         return self.optimizer
-
-    def _optimizer_layout(self, optimizer: torch.optim.Optimizer) -> WholeBuckets | ShardedSteps:
-        """How this process steps `optimizer`'s buckets: whole, or its shard of them ([Note: data parallel])."""
-        if self.data_parallel is None:
-            return WholeBuckets(optimizer, self._store)
-        return ShardedSteps(optimizer, self._store, self.data_parallel, self.trace)
 
     # ------------------------------------------------------------------ passes
 
@@ -321,12 +306,10 @@ class RoundPipe(nn.Module):
             mb_rows = [x[0].shape[0] for x in mb_inputs]
             totals = loss_count_totals(mb_rows, mb_labels, counted_labels)
         except BaseException as error:
-            if self.data_parallel is not None and not isinstance(error, EngineClosedError):
-                self._fail_with_peers(error, "the start of a training pass")
+            if not isinstance(error, EngineClosedError):
+                self._exchange.pass_failed(error, "the start of a training pass", self._failure)
             raise
-        if self.data_parallel is not None:
-            totals = self._collective(lambda: self.data_parallel.exchange(
-                totals, f"the exchange of label counts at the start of pass {self._num_passes}"))
+        totals = self.sum_over_ranks(totals, f"the exchange of label counts at the start of pass {self._num_passes}")
         self.counters.count(inputs[0])
         shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
         scale = self._deferred.expected_scale if deferred else grad_scale
@@ -349,36 +332,31 @@ class RoundPipe(nn.Module):
             try:
                 losses = [f.get(self._failure).host()[0] for f in state.losses]
             except BaseException as error:
-                if self.data_parallel is not None:
-                    self._fail_with_peers(error, f"the end of pass {state.index}")
+                self._exchange.pass_failed(error, f"the end of pass {state.index}", self._failure)
                 raise
         # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
         weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
         total = weighted[0] if weighted else losses[0].new_zeros(())
         for part in weighted[1:]:
             total = total + part
-        if self.data_parallel is not None:  # the loss of the global batch: every rank's share of it, added
-            global_loss = self._collective(lambda: self.data_parallel.exchange(
-                [float(total), 0.0, 0.0], f"the all-reduce of the loss of pass {state.index}"))[0]
-            total = torch.tensor(global_loss, dtype=torch.float64).to(total.dtype)
+        total = self._on_caller_thread(lambda: self._exchange.global_loss(
+            total, f"the all-reduce of the loss of pass {state.index}"))
         if not deferred:
             return total
         self._deferred.awaiting_backward(state.deferred)
         return DeferredLoss.apply(self, self._deferred, state.deferred, torch.empty(0, requires_grad=True), total)
 
-    def _collective(self, collective: Callable[[], Any]) -> Any:
-        """A collective on the caller's thread: its failure fails the engine too ([Note: data parallel])."""
+    def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
+        """`values` summed over the data-parallel ranks (on one process, `values`), on the caller's thread; every
+        rank calls it at the same point. A failure fails the engine too ([Note: data parallel])."""
+        return self._on_caller_thread(lambda: self._exchange.sum_over_ranks(values, what))
+
+    def _on_caller_thread(self, collective: Callable[[], Any]) -> Any:
         try:
             return collective()
         except BaseException as error:
             self._failure.fail_here(error, "a data-parallel collective on the caller's thread")
             raise
-
-    def _fail_with_peers(self, error: BaseException, where: str) -> None:
-        """This rank's pass failed while the other ranks wait for it in the pass's exchange: tell them (they raise
-        naming this rank and its error), and close this engine too, since theirs close ([Note: data parallel])."""
-        self.data_parallel.tell_failure(error, where)
-        self._failure.fail_here(error, where)
 
     def drop_pending_gradients(self) -> None:
         """Drop the gradients of a deferred pass whose loss was never back-propagated."""
@@ -473,8 +451,7 @@ class RoundPipe(nn.Module):
         rank's steps is then done, so a rank may leave ([Note: end of a data-parallel run]). Call it on every rank
         at the same point (the Trainer does at the end of `train()`)."""
         self.synchronize()
-        if self.data_parallel is not None:
-            self.data_parallel.barrier()
+        self._exchange.meet_peers()
 
     def close(self) -> None:
         """Stop the worker and optimizer threads (and write the trace, if recording). The engine cannot be used
@@ -484,8 +461,7 @@ class RoundPipe(nn.Module):
             try:
                 if self._failure.error is None:
                     self.synchronize()
-                    if self.data_parallel is not None and self.data_parallel.collectives_since_barrier:
-                        self.data_parallel.barrier()
+                    self._exchange.meet_peers(only_after_collectives=True)
                     if self.trace is not None:
                         self._dispatch.wait_tasks_left_workers()  # the last task's span is recorded too
             finally:
@@ -495,8 +471,7 @@ class RoundPipe(nn.Module):
                 if self._finalizer is not None:
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
-                if self.data_parallel is not None:
-                    self.data_parallel.close(clean=self._failure.error is None)
+                self._exchange.close(clean=self._failure.error is None)
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()
