@@ -60,10 +60,10 @@ def test_as_built_is_capped_by_gloo_on_fast_links():
 
 
 def test_streams_follow_the_engines_chunking():
-    from accelerate_roundpipe.runtime import data_parallel
+    from accelerate_roundpipe.runtime import gloo_exchange
 
-    assert sm.COLLECTIVE_STREAMS == data_parallel.COLLECTIVE_STREAMS
-    minimum = data_parallel.MIN_STREAM_ELEMENTS
+    assert sm.COLLECTIVE_STREAMS == gloo_exchange.COLLECTIVE_STREAMS
+    minimum = gloo_exchange.MIN_STREAM_ELEMENTS
     assert sm.collective_streams(16 * minimum, 2) == 8  # 8 minimum-size chunks per rank and more
     assert sm.collective_streams(6 * minimum, 2) == 3
     assert sm.collective_streams(minimum, 2) == 1

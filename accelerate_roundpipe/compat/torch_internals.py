@@ -1,5 +1,5 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
-the GPU machine). The callers sit in files another change is reworking (`integrations/data_parallel.py`,
+the GPU machine). The callers sit in files another change is reworking (`integrations/multi_process.py`,
 `runtime/optimizer.py`); they move here with it."""
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ from ..runtime import RoundPipe
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .checkpoint_files import read_optimizer_shard
 from .convert import convert_model, engine_of
-from .data_parallel import (
+from .grad_norm import clip_grad_norm, clip_grad_value
+from .multi_process import (
     RankAgreement,
     backward_scale,
     check_distributed_type,
@@ -59,7 +60,6 @@ from .data_parallel import (
     rank_suffix,
     written_by_another_world_size,
 )
-from .grad_norm import clip_grad_norm, clip_grad_value
 from .optimizer import PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
 from .plugin import RoundPipePlugin
 from .staged_checkpoint import together

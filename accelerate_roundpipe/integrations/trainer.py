@@ -47,7 +47,8 @@ from .accelerator import RoundPipeAccelerator
 from .checkpoint import load_engine_extras, refresh_optimizer_copies, save_engine_extras
 from .checkpoint_files import read_optimizer_shard
 from .convert import engine_of
-from .data_parallel import (
+from .grad_norm import LateGradNorm
+from .multi_process import (
     DEFERRED,
     RankAgreement,
     loss_kind,
@@ -58,7 +59,6 @@ from .data_parallel import (
     trainer_loss_multiplier,
     written_by_another_world_size,
 )
-from .grad_norm import LateGradNorm
 from .staged_checkpoint import staged
 from .traces import write_traces
 from .training_args import RoundPipeTrainingArguments, plugin_from_training_args

@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, RoundPipeConfig
-from ..integrations.data_parallel import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
+from ..integrations.multi_process import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 from ..integrations.plugin import RoundPipePlugin
 from .config_file import (
     ENABLED_KEY,

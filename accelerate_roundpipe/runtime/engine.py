@@ -26,10 +26,10 @@ from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
 from .adapter_switches import AdapterSwitches
-from .data_parallel import DataParallelGroup
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
+from .gloo_exchange import DataParallelGroup
 from .gradient_exchange import NoExchange, gradient_exchange
 from .host_store import HostStore
 from .jobs import PassState

@@ -6,7 +6,7 @@ The engine and the optimizer never ask whether they run data-parallel: they call
 the engine is built (`gradient_exchange`).
 - `NoExchange`: one process. Every call is nothing (or hands its values back), and the optimizer steps whole buckets
   (`WholeBuckets`).
-- `DataParallelGroup` (`runtime/data_parallel.py`): data parallelism over gloo on the host ([Note: data parallel]).
+- `DataParallelGroup` (`runtime/gloo_exchange.py`): data parallelism over gloo on the host ([Note: data parallel]).
   The optimizer steps this rank's shard (`ShardedSteps`), reduce-scattering and all-gathering each bucket.
 An exchange over NCCL on the GPUs would be a third class with the same methods (its reduce-scatter fed from the
 devices' gradient downloads): nothing in the engine or the optimizer would change. `engine.data_parallel` is the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .data_parallel import DataParallelGroup, wants_data_parallel
+from .gloo_exchange import DataParallelGroup, wants_data_parallel
 from .host_store import HostStore
 from .sync import FailureFlag
 from .whole_buckets import WholeBuckets

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..telemetry.trace import maybe_span
-from .data_parallel import DataParallelError, DataParallelGroup
+from .gloo_exchange import DataParallelError, DataParallelGroup
 from .host_store import Bucket, HostStore
 from .steppers import BucketSteppers, prefer_fused
 

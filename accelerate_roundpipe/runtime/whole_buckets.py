@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .data_parallel import DataParallelError
+from .gloo_exchange import DataParallelError
 from .host_store import Bucket, HostStore
 from .steppers import BucketSteppers, hyper_parameters, prefer_fused, shallow_copy
 

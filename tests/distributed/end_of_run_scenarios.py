@@ -80,11 +80,11 @@ def peer_optimizer_fails(rank: int, world_size: int) -> None:
     from torch import nn
 
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-    from accelerate_roundpipe.runtime import data_parallel, faults
+    from accelerate_roundpipe.runtime import faults, gloo_exchange
 
     from toy_models import batch, tied_model
 
-    data_parallel.MIN_STREAM_ELEMENTS = 8  # the buckets' collectives go in chunks over several groups
+    gloo_exchange.MIN_STREAM_ELEMENTS = 8  # the buckets' collectives go in chunks over several groups
     # The lagged step: rank 0's next pass does not wait for the step its optimizer thread is stuck in, so it meets
     # rank 1's report of its failure in the pass's exchange at once.
     engine = RoundPipe(tied_model(num_blocks=2), RoundPipeConfig(devices=["cpu"], num_microbatches=2, seed=0,

@@ -11,7 +11,7 @@ import torch
 from integration_unit_helpers import CPU_WORKERS, lm_batch, tiny_llama
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
-from accelerate_roundpipe.integrations import data_parallel as dp
+from accelerate_roundpipe.integrations import multi_process as dp
 
 
 @pytest.mark.parametrize("name,processes,accepted", [

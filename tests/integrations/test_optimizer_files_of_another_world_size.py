@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accelerate_roundpipe.integrations.data_parallel import written_by_another_world_size
+from accelerate_roundpipe.integrations.multi_process import written_by_another_world_size
 
 
 def touch(directory, *names: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 def _rank_main(rank: int, store: str, run_dir: str, fail_rank: int | None, results) -> None:
     import torch.distributed as dist
 
-    from accelerate_roundpipe.integrations.data_parallel import RankAgreement
+    from accelerate_roundpipe.integrations.multi_process import RankAgreement
     from accelerate_roundpipe.integrations.staged_checkpoint import staged
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -326,7 +326,7 @@ def collective_error(what: str, started: float, error: BaseException, timeout_s:
     long, and what to look at (the runtime's `DataParallelGroup` words its own collectives' errors alike)."""
     import torch.distributed as dist
 
-    from ..runtime.data_parallel import DataParallelError
+    from ..runtime.gloo_exchange import DataParallelError
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     limit = f"{timeout_s:g} s, " if timeout_s is not None else ""
@@ -341,7 +341,7 @@ def collective_error(what: str, started: float, error: BaseException, timeout_s:
 def named_collective(what: str, timeout_s: float | None) -> Iterator[None]:
     """Around a collective on the default process group: its failure (gloo's timeout, a peer's closed connection)
     raises `collective_error`, naming `what`."""
-    from ..runtime.data_parallel import DataParallelError
+    from ..runtime.gloo_exchange import DataParallelError
 
     started = time.monotonic()
     try:

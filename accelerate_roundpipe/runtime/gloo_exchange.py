@@ -1,4 +1,5 @@
-"""Data parallelism across processes: one RoundPipe engine per process (machine), the processes one group.
+"""The gradient exchange over gloo: data parallelism across processes, one RoundPipe engine per process (machine),
+the processes one group ([Note: gradient exchange]: one process has `NoExchange` instead).
 
 [Note: data parallel]
 Each process runs its own engine over its local devices on its share of the global batch; the processes form a
