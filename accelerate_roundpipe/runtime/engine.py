@@ -527,10 +527,8 @@ class RoundPipe(nn.Module):
             for name, p in self.named_parameters():
                 if p.requires_grad and name in tensors:
                     p.copy_(tensors[name])
-            for bucket in self._store.trainable_buckets:
-                bucket.compute.copy_(bucket.optim)
-                bucket.optim_version_seen = bucket.optim._version
-                bucket.steps.compute = bucket.steps.optim
+        for bucket in self._store.trainable_buckets:
+            bucket.versions.loaded_from_optim()
 
     def lagged_weights(self) -> dict[str, torch.Tensor]:
         """With the lagged step, after a look: the compute copies the next training pass computes with (one step
@@ -553,7 +551,7 @@ class RoundPipe(nn.Module):
             if tensor.shape != bucket.compute.shape:
                 raise ValueError(f"lagged weights of {bucket} have shape {tuple(tensor.shape)}, expected "
                                  f"{tuple(bucket.compute.shape)}: the checkpoint is of another model.")
-            bucket.stash = tensor.to(bucket.compute.dtype).clone()
+            bucket.versions.restore_stash(tensor)
             buckets.append(bucket)
         self.optimizer.hold_shown(buckets)
 
@@ -590,7 +588,7 @@ class RoundPipe(nn.Module):
         self.partition = self._plan.replan(self.partition, self._failure)
         if self.optimizer is None:
             for bucket in self._store.trainable_buckets:
-                if bucket.optim._version != bucket.optim_version_seen:
+                if bucket.versions.changed_outside():
                     raise RuntimeError(
                         "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
@@ -632,11 +630,8 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.optimizer.forget_stashes()
         result = self.module.load_state_dict(state_dict, strict=strict)
-        with torch.no_grad():
-            for bucket in self._store.trainable_buckets:
-                bucket.optim.copy_(bucket.compute)
-                bucket.optim_version_seen = bucket.optim._version
-                bucket.steps.compute = bucket.steps.optim
+        for bucket in self._store.trainable_buckets:
+            bucket.versions.loaded_from_compute()
         return result
 
     def to(self, *args, **kwargs):

@@ -34,6 +34,9 @@ from . import host_budget
 from .grad_buffers import GradBufferPool
 from .pinned import HostMemory
 from .sync import ReadWriteOrder, Sequencer
+from .weight_versions import StepCount, WeightVersions
+
+__all__ = ["Bucket", "HostStore", "ParamSlot", "StepCount"]
 
 ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
 PROGRESS_MIN_PARAMS = 200_000_000  # models this large show a progress bar while the host store is built
@@ -62,23 +65,6 @@ class ParamSlot:
 
 
 @dataclass
-class StepCount:
-    """The optimizer steps applied to a bucket's optimizer copy, and the one its compute copy was last written
-    from ([Note: torn weights]). Kept apart from the bucket so that a guard can hold it without its buffers."""
-
-    optim: int = 0
-    compute: int = 0
-    # The version the read tickets hand out lives in the optimizer copy and the compute copy is older: after an
-    # exact step, until someone on the host looks ([Note: exact step without write-back]). Set by its writer.
-    current_in_optim: bool = False
-
-    @property
-    def current(self) -> int:
-        """The step of the version readers get (where it lives: `current_in_optim`)."""
-        return self.optim if self.current_in_optim else self.compute
-
-
-@dataclass
 class Bucket:
     index: int
     layers: tuple[int, ...]  # layers that use it
@@ -90,37 +76,35 @@ class Bucket:
     reads: ReadWriteOrder = field(default_factory=ReadWriteOrder)
     grads: Sequencer = field(default_factory=Sequencer)
     grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
-    optim_version_seen: int = 0  # version counter of `optim` after the engine's own last write
     pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
     grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
     # The windows committed since `grad` was last all zero, outside which it is still zero; None: unknown
     # ([Note: row windows]).
     written: list[tuple[int, int]] | None = None
-    steps: StepCount = field(default_factory=lambda: StepCount())  # [Note: torn weights]
-    # The version the next training pass reads, kept aside while a look shows a lagged step's newer weights in
-    # `compute` ([Note: looking changes nothing]); dropped by the held write-back.
-    stash: torch.Tensor | None = None
-    # Writes reserved so far that change the version readers get (an exact step, a lagged step's write-back), not
-    # those that copy the current version from the optimizer copy into the compute copy: a pass's backward checks it
-    # recomputes with the weights its forward read.
-    new_versions_reserved: int = 0
+    # Which copy holds which version, changed only through its transitions ([Note: weight versions]).
+    versions: WeightVersions = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = WeightVersions(self.compute, self.optim)
+
+    @property
+    def steps(self) -> StepCount:
+        return self.versions.steps  # [Note: torn weights]
 
     @property
     def current_in_optim(self) -> bool:
-        """The current version lives in `optim`; `compute` is older ([Note: exact step without write-back])."""
-        return self.steps.current_in_optim
+        return self.versions.current_in_optim
 
-    @current_in_optim.setter
-    def current_in_optim(self, value: bool) -> None:
-        self.steps.current_in_optim = value
+    @property
+    def stash(self) -> torch.Tensor | None:
+        return self.versions.stash
+
+    @property
+    def new_versions_reserved(self) -> int:
+        return self.versions.new_versions_reserved
 
     def current(self, newest: bool = False) -> torch.Tensor:
-        """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket); with
-        `newest` (an evaluation pass), the compute copy a look has filled with the newest weights instead of the
-        stashed older version the next training pass reads ([Note: looking changes nothing])."""
-        if self.stash is not None and not newest:
-            return self.stash
-        return self.optim if self.current_in_optim else self.compute
+        return self.versions.current(newest)
 
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"
@@ -355,7 +339,7 @@ class HostStore:
                 slot.param.data = view
                 self.bucket_of[id(slot.param)] = (index, slot_index)
         if optim is not None:
-            bucket.optim_version_seen = optim._version
+            bucket.versions.loaded_into_both()
         return bucket
 
     def window(self, layers: range, bucket_index: int) -> tuple[int, int]:

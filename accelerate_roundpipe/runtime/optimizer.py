@@ -137,9 +137,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         return clip.pending_norm()
 
     def _step_bucket(self, bucket: Bucket, ticket: int, hyper: list[dict[str, Any]],
-                     clip: GradientClip | None) -> None:
+                     clip: GradientClip | None, current_for_readers: bool = False) -> None:
         """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`), with the hyper-parameters
-        `hyper` that `step()` read."""
+        `hyper` that `step()` read; with `current_for_readers` (an exact step, in its write turn) the next readers
+        read the new version in the optimizer copy ([Note: weight versions])."""
         bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
         try:
             self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
@@ -152,8 +153,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                     with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
                         self.layout.steppers.step(bucket, hyper, grad_scale)
                 self.layout.finish_step(bucket)
-            bucket.optim_version_seen = bucket.optim._version
-            bucket.steps.optim += 1  # [Note: torn weights]
+            bucket.versions.step_written(current_for_readers)
         finally:
             bucket.grads.end(ticket)
 
@@ -163,10 +163,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         try:
             faults.point("optimizer.writeback")
             with maybe_span(self.trace, "optimizer", f"write-back layers {list(bucket.layers)}"):
-                bucket.compute.copy_(bucket.optim)
-            bucket.steps.compute = bucket.steps.optim
-            bucket.current_in_optim = False
-            bucket.stash = None  # the pass that read it has read it ([Note: looking changes nothing])
+                bucket.versions.write_back()
         finally:
             bucket.reads.end_write(ticket)
 
@@ -186,8 +183,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         """Step `bucket` in its write turn, where the next uploads read it ([Note: exact step without write-back])."""
         bucket.reads.begin_write(write_ticket, self.failure, f"readers of {bucket} before its exact step")
         try:
-            self._step_bucket(bucket, grad_ticket, hyper, clip)
-            bucket.current_in_optim = True
+            self._step_bucket(bucket, grad_ticket, hyper, clip, True)
         finally:
             bucket.reads.end_write(write_ticket)
 
@@ -211,12 +207,9 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                 raise TornWeightsError("the RoundPipe engine failed and its optimizer thread did not stop within "
                                        f"{timeout_s:g} s, so its newest weights cannot be written into the model.")
             time.sleep(0.01)
-        with torch.no_grad():
-            for bucket in self.store.trainable_buckets:
-                if bucket.current_in_optim:
-                    bucket.compute.copy_(bucket.optim)
-                    bucket.steps.compute = bucket.steps.optim
-                    bucket.current_in_optim = False
+        for bucket in self.store.trainable_buckets:
+            if bucket.current_in_optim:
+                bucket.versions.write_back()
 
     def write_back_stale(self) -> None:
         """Queue the write-backs of the exact steps not written back yet ([Note: exact step without write-back])."""
@@ -226,7 +219,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
 
     def _submit_writeback(self, bucket: Bucket, new_version: bool) -> None:
         ticket = bucket.reads.reserve_write()
-        bucket.new_versions_reserved += new_version
+        if new_version:
+            bucket.versions.reserve_new_version()
         self.thread.submit(lambda: self._write_back(bucket, ticket))
 
     def release_writebacks(self) -> None:
@@ -277,12 +271,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         if not self.has_held_steps:
             return
         self.thread.wait_idle()  # the held buckets' lagged steps are done: their optimizer copies are the newest
-        with torch.no_grad():
-            for bucket in self._held_writebacks:
-                if bucket.stash is None:  # else this step is shown already
-                    bucket.stash = bucket.compute.clone()
-                    bucket.compute.copy_(bucket.optim)
-                    bucket.steps.compute = bucket.steps.optim
+        for bucket in self._held_writebacks:
+            bucket.versions.show_newest()
 
     @property
     def has_held_steps(self) -> bool:
@@ -299,7 +289,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
     def forget_stashes(self) -> None:
         """The compute copies were loaded from outside: the next pass reads them, not a stash."""
         for bucket in self._held_writebacks:
-            bucket.stash = None
+            bucket.versions.forget_stash()
 
     def synchronize(self) -> None:
         """Wait for every step and show the newest weights in the compute copies; the engine waits for the passes

@@ -23,7 +23,7 @@ class ExactStep:
     def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
         entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write()) for bucket in optimizer.step_order]
         for bucket in optimizer.step_order:
-            bucket.new_versions_reserved += 1
+            bucket.versions.reserve_new_version()
         optimizer.thread.submit(self._job(optimizer, entries, hyper, clip))
         optimizer.stepped_without_write_back(optimizer.step_order)
 

@@ -1,0 +1,140 @@
+"""Which version of one bucket's weights lives where, changed only through named transitions.
+
+[Note: weight versions]
+A trainable bucket's weights live in two host copies: the optimizer copy (`optim`, which steps write) and the compute
+copy (`compute`, what `engine.module` shows). `WeightVersions` is the one owner of everything that says which copy
+holds which version; its fields are private and change only through these transitions, each made by the thread that
+holds the bucket's write turn (the optimizer thread), or by the caller while nothing runs (a look, a load):
+- `reserve_new_version`: the caller reserved a write that will change the version readers get (an exact step, a
+  lagged step's write-back); a pass's backward checks the count did not move since its forward
+  ([Note: exact step without write-back]).
+- `step_written`: a step wrote a new version into `optim`; with `current_for_readers` (the exact step) readers now
+  read it there, else (the lagged step) they keep reading `compute` until the write-back ([Note: one-step lag]).
+- `write_back`: `compute` := `optim`, which readers then read; a look's stash is dropped (the pass that read it is
+  done).
+- `show_newest`: a look ([Note: looking changes nothing]): the newest weights into `compute` for whoever looks, the
+  version the next training pass reads kept aside as the stash.
+- `restore_stash` / `forget_stash`: a checkpoint's lagged weights become the stash / weights loaded from outside
+  replace it.
+- `loaded_from_optim` / `loaded_from_compute` / `loaded_into_both`: weights loaded from outside into one copy are
+  copied into the other (or were written into both).
+What readers ask: `current(newest)` (the buffer a pass reads: its own version, or the newest for an evaluation
+pass), `current_in_optim`, `stash`, `new_versions_reserved`, `changed_outside()`, and `steps` (the step counts
+the torn-weights guard holds, [Note: torn weights]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepCount:
+    """The optimizer steps applied to a bucket's optimizer copy, and the one its compute copy was last written
+    from ([Note: torn weights]). Kept apart so that a guard can hold it without the buffers; written only by
+    `WeightVersions`."""
+
+    optim: int = 0
+    compute: int = 0
+    # The version the read tickets hand out lives in the optimizer copy and the compute copy is older: after an
+    # exact step, until someone on the host looks ([Note: exact step without write-back]).
+    current_in_optim: bool = False
+
+    @property
+    def current(self) -> int:
+        """The step of the version readers get (where it lives: `current_in_optim`)."""
+        return self.optim if self.current_in_optim else self.compute
+
+
+class WeightVersions:
+    """The versions of one bucket's weights; see [Note: weight versions]."""
+
+    def __init__(self, compute: torch.Tensor, optim: torch.Tensor | None) -> None:
+        self._compute = compute
+        self._optim = optim
+        self._steps = StepCount()
+        self._optim_version_seen = optim._version if optim is not None else 0  # after the engine's own last write
+        self._stash: torch.Tensor | None = None
+        self._new_versions_reserved = 0
+
+    # ------------------------------------------------------------------ what readers ask
+
+    @property
+    def steps(self) -> StepCount:
+        return self._steps
+
+    @property
+    def current_in_optim(self) -> bool:
+        """The current version lives in `optim`; `compute` is older ([Note: exact step without write-back])."""
+        return self._steps.current_in_optim
+
+    @property
+    def stash(self) -> torch.Tensor | None:
+        """The version the next training pass reads, kept aside while a look shows newer weights in `compute`."""
+        return self._stash
+
+    @property
+    def new_versions_reserved(self) -> int:
+        return self._new_versions_reserved
+
+    def current(self, newest: bool = False) -> torch.Tensor:
+        """The host buffer that holds the version a reader's ticket entitles it to (read under that ticket); with
+        `newest` (an evaluation pass), the compute copy a look has filled with the newest weights instead of the
+        stashed older version the next training pass reads ([Note: looking changes nothing])."""
+        if self._stash is not None and not newest:
+            return self._stash
+        return self._optim if self._steps.current_in_optim else self._compute
+
+    def changed_outside(self) -> bool:
+        """Something other than the engine wrote the optimizer copy since the engine last did."""
+        return self._optim is not None and self._optim._version != self._optim_version_seen
+
+    # ------------------------------------------------------------------ transitions
+
+    def reserve_new_version(self) -> None:
+        self._new_versions_reserved += 1
+
+    def step_written(self, current_for_readers: bool) -> None:
+        self._optim_version_seen = self._optim._version
+        self._steps.optim += 1  # [Note: torn weights]
+        if current_for_readers:
+            self._steps.current_in_optim = True
+
+    def write_back(self) -> None:
+        self._copy_optim_into_compute()
+        self._steps.current_in_optim = False
+        self._stash = None  # the pass that read it has read it ([Note: looking changes nothing])
+
+    def show_newest(self) -> None:
+        if self._stash is None:  # else this step is shown already
+            self._stash = self._compute.clone()
+            self._copy_optim_into_compute()
+
+    def restore_stash(self, tensor: torch.Tensor) -> None:
+        self._stash = tensor.to(self._compute.dtype).clone()
+
+    def forget_stash(self) -> None:
+        self._stash = None
+
+    def loaded_from_optim(self) -> None:
+        """Weights were loaded into the optimizer copy: the compute copy follows."""
+        self._copy_optim_into_compute()
+        self.loaded_into_both()
+
+    def loaded_into_both(self) -> None:
+        """Both copies were written from outside with the same weights (the store being built, a load)."""
+        self._optim_version_seen = self._optim._version
+
+    def loaded_from_compute(self) -> None:
+        """Weights were loaded into the compute copy: the optimizer copy follows."""
+        with torch.no_grad():
+            self._optim.copy_(self._compute)
+        self._optim_version_seen = self._optim._version
+        self._steps.compute = self._steps.optim
+
+    def _copy_optim_into_compute(self) -> None:
+        with torch.no_grad():
+            self._compute.copy_(self._optim)
+        self._steps.compute = self._steps.optim
