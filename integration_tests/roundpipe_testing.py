@@ -41,10 +41,9 @@ def trainer_args(assets: str, output_dir: str, steps: int = 20, *extra: str) -> 
 
 def reset_accelerate_state() -> None:
     """Each in-process run starts like a fresh process (accelerate keeps process-wide singletons)."""
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state as reset
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset()
 
 
 def run_in_process(script: str, argv: list[str], roundpipe: bool, env: dict[str, str] | None = None) -> None:

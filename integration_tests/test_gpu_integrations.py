@@ -69,11 +69,11 @@ def test_trainer_on_a_gpu_worker(tmp_path=None):
 
 def test_accelerate_loop_on_a_gpu_worker():
     import accelerate
-    from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
 
     from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
+    from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
 
     tokenizer, rows = _data()
 
@@ -93,11 +93,9 @@ def test_accelerate_loop_on_a_gpu_worker():
             losses.append(loss.item())
         return model, batch, losses
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     _, _, expected = run(accelerate.Accelerator())
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(devices=["cuda:0"], num_microbatches=2,
                                                                         async_optimizer=False))
     model, batch, losses = run(accelerator)

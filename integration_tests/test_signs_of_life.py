@@ -128,10 +128,9 @@ def _lm_batches(vocab_size: int, count: int, rows: int = 4, seq: int = 16):
 
 
 def test_accelerate_loop_writes_the_trace_at_end_training(tmp_path, capsys):
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     trace = str(tmp_path / "trace.json")
     accelerator = RoundPipeAccelerator(
         roundpipe_plugin=RoundPipePlugin(devices=["cpu", "cpu"], num_microbatches=2, trace_path=trace)
@@ -152,8 +151,7 @@ def test_accelerate_loop_writes_the_trace_at_end_training(tmp_path, capsys):
     assert err.count("RoundPipe is on") == 1 and f"trace written to {trace}" in err
     assert "clipping: exact, where the loop calls accelerator.clip_grad_norm_" in err
     engine.close()
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 LOOP_WITHOUT_AN_END = """

@@ -97,6 +97,20 @@ def turn_off_autocast(accelerator) -> None:
     accelerator.native_amp = False
 
 
+def dynamo_backend(accelerator):
+    """The torch.compile backend accelerate was asked for (`DynamoBackend.NO` when none): the state's
+    `dynamo_plugin`, which `AcceleratorState` sets (accelerate 1.15). RoundPipe refuses compilation, so a renamed
+    attribute must not read as "no compilation"."""
+    from accelerate.state import AcceleratorState
+
+    reach = "AcceleratorState.dynamo_plugin (the torch.compile backend RoundPipe refuses)"
+    require_mention(AcceleratorState.__init__, "dynamo_plugin", LIBRARY, reach)
+    plugin = getattr(accelerator.state, "dynamo_plugin", None)
+    if plugin is None or not hasattr(plugin, "backend"):
+        raise LibraryChangedError(LIBRARY, reach, "the accelerator's state has no `dynamo_plugin.backend`")
+    return plugin.backend
+
+
 def reset_accelerate_state() -> None:
     """Forget accelerate's process-wide singletons (`AcceleratorState`, `PartialState`, `GradientState`), so that
     the next Accelerator is built from scratch; for tests that build several in one process. Their private

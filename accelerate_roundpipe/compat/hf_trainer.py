@@ -91,6 +91,23 @@ def limit_gpus_per_process(args, most: int) -> None:
     args._n_gpu = min(args.n_gpu, most)  # reading `n_gpu` first runs `_setup_devices`, which would overwrite it
 
 
+def training_step_grad_scale(trainer, num_items_in_batch, base_training_step: Callable) -> float:
+    """What `Trainer.training_step` (`base_training_step`) multiplies the loss's gradient by before `backward`:
+    1 when the loss is already normalised for gradient accumulation (`loss_is_scaled_for_ga`, else when the model
+    took `num_items_in_batch` or a `compute_loss_func` is set), else 1 / `current_gradient_accumulation_steps`. The
+    fused step gives the engine this scale itself, so the rule is mirrored here (transformers 5.24); checked: the
+    Trainer's step still reads each of these attributes."""
+    reach = "the gradient-accumulation scale of Trainer.training_step (mirrored by RoundPipe's fused step)"
+    for name in ("loss_is_scaled_for_ga", "model_accepts_loss_kwargs", "compute_loss_func",
+                 "current_gradient_accumulation_steps"):
+        require_mention(base_training_step, name, LIBRARY, reach)
+    scaled_for_ga = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled_for_ga is None:
+        scaled_for_ga = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+            trainer.compute_loss_func is not None
+    return 1.0 if scaled_for_ga else 1.0 / trainer.current_gradient_accumulation_steps
+
+
 def trainer_file_names() -> tuple[str, str, str]:
     """The names of the files a Trainer checkpoint holds: `TRAINER_STATE_NAME`, `OPTIMIZER_NAME`, `SCHEDULER_NAME`
     of `transformers.trainer` (transformers 5.24), which RoundPipe writes and reads per rank."""

@@ -7,18 +7,41 @@ import importlib
 import types
 from collections.abc import Callable
 
-from . import LibraryChangedError, require_attribute
+from . import LibraryChangedError, mentions, require_attribute
 
 LIBRARY = "trl"
 
 
-def trl_trainer(name: str, trainer_base: type) -> type:
-    """`trl.<name>` (`SFTTrainer`, ...), checked to be a subclass of `transformers.Trainer` (`trainer_base`): RoundPipe
-    puts its Trainer under TRL's by multiple inheritance (trl 1.16)."""
+# The methods of RoundPipeTrainer a TRL trainer replaces without calling it, and why that is right (trl 1.16). Any
+# other override of a RoundPipeTrainer method by a TRL class must call `super()`, else RoundPipe's is skipped.
+REPLACED_WITHOUT_SUPER = {
+    # Their losses are their own (preference / policy losses), never `Trainer.compute_loss`'s, so there is no
+    # num_processes factor for RoundPipeTrainer.compute_loss to take off ([Note: data-parallel loss scaling]).
+    ("DPOTrainer", "compute_loss"), ("KTOTrainer", "compute_loss"), ("GRPOTrainer", "compute_loss"),
+}
+
+
+def trl_trainer(name: str, trainer_base: type, roundpipe_trainer: type) -> type:
+    """`trl.<name>` (`SFTTrainer`, ...), to put `roundpipe_trainer` under by multiple inheritance
+    (`class RoundPipeSFTTrainer(SFTTrainer, RoundPipeTrainer)`): TRL's classes come first, so each method of
+    `roundpipe_trainer` they also define runs only through their `super()`. Checked (trl 1.16): the class is a
+    subclass of `transformers.Trainer` (`trainer_base`), and every such method calls `super()` or is listed in
+    `REPLACED_WITHOUT_SUPER`."""
     trl = importlib.import_module("trl")
     base = require_attribute(trl, name, LIBRARY, f"trl.{name}")
     if not (isinstance(base, type) and issubclass(base, trainer_base)):
         raise LibraryChangedError(LIBRARY, f"trl.{name}", "it is no longer a subclass of transformers.Trainer")
+    ours = [n for n in vars(roundpipe_trainer) if not n.startswith("__")]
+    for cls in base.__mro__:
+        if cls is roundpipe_trainer or cls is trainer_base:
+            break
+        for method in ours:
+            function = vars(cls).get(method)
+            if callable(function) and not mentions(function, "super") and (name, method) not in \
+                    REPLACED_WITHOUT_SUPER:
+                raise LibraryChangedError(LIBRARY, f"trl.{cls.__qualname__}.{method}",
+                                          f"it no longer calls super(), so {roundpipe_trainer.__qualname__}.{method} "
+                                          f"would never run under trl.{name}")
     return base
 
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..compat.accelerate_internals import (
     check_accelerator_overrides,
+    dynamo_backend,
     is_prepared,
     mark_prepared,
     original_accelerator,
@@ -113,9 +114,9 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         self.register_load_state_pre_hook(self._remember_load_dir)
 
     def _refuse_compilation(self) -> None:
-        dynamo = getattr(self.state, "dynamo_plugin", None)
-        if dynamo is not None and dynamo.backend != DynamoBackend.NO:
-            raise ValueError(f"dynamo_backend={dynamo.backend.value!r} is set, but RoundPipe runs each layer on its "
+        backend = dynamo_backend(self)
+        if backend != DynamoBackend.NO:
+            raise ValueError(f"dynamo_backend={backend.value!r} is set, but RoundPipe runs each layer on its "
                              f"own workers, outside any compiled graph. Set dynamo_backend to 'no' (accelerate config "
                              f"/ --dynamo_backend no / ACCELERATE_DYNAMO_BACKEND=no).")
 

@@ -40,6 +40,7 @@ from ..compat.hf_trainer import (
     trainer_file_names,
     trainer_module_name_swapped,
     trainer_module_original,
+    training_step_grad_scale,
 )
 from ..models import CausalLMRoundPipe
 from ..telemetry.metrics import MetricsWindow, model_training_flops_per_token
@@ -236,11 +237,8 @@ class RoundPipeTrainer(Trainer):
         if engine is not None:
             self._metrics_window(engine)  # the first log's rates start at the first step
         accepts_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
-        if scaled_for_ga is None:
-            scaled_for_ga = accepts_items or self.compute_loss_func is not None
         # What `Trainer.training_step` would multiply the loss's gradient by before `backward`.
-        scale = 1.0 if scaled_for_ga else 1.0 / self.current_gradient_accumulation_steps
+        scale = training_step_grad_scale(self, num_items_in_batch, Trainer.training_step)
         if not self._runs_fused_step(engine, inputs):
             if engine is not None:
                 engine.expect_grad_scale(scale)  # [Note: deferred gradient commit]

@@ -49,7 +49,7 @@ def _roundpipe_trl_trainer(trl_name: str) -> type:
     from ..compat.trl_internals import trl_trainer
     from .trainer import RoundPipeTrainer
 
-    base = trl_trainer(trl_name, RoundPipeTrainer.__bases__[0])  # [Note: compatibility reaches]
+    base = trl_trainer(trl_name, RoundPipeTrainer.__bases__[0], RoundPipeTrainer)  # [Note: compatibility reaches]
     doc = (
         f"`trl.{trl_name}` whose model (and reference model) runs on RoundPipe. Takes the same arguments; "
         f"RoundPipe settings come from `ROUNDPIPE_*` or `roundpipe_*` fields of a `RoundPipeTrainingArguments` "

@@ -18,10 +18,8 @@ def one_intra_op_thread():
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()

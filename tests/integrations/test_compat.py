@@ -116,6 +116,30 @@ def test_a_trainer_module_name_no_longer_looked_up_is_refused(monkeypatch):
         hf_trainer.trainer_module_original("nested_gather")
 
 
+def test_the_gradient_accumulation_scale_of_the_trainers_step():
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    def trainer(**values):
+        return SimpleNamespace(**{"loss_is_scaled_for_ga": None, "model_accepts_loss_kwargs": False,
+                                  "compute_loss_func": None, "current_gradient_accumulation_steps": 4, **values})
+
+    step = Trainer.training_step
+    assert hf_trainer.training_step_grad_scale(trainer(), None, step) == 0.25
+    assert hf_trainer.training_step_grad_scale(trainer(model_accepts_loss_kwargs=True), 10, step) == 1.0
+    assert hf_trainer.training_step_grad_scale(trainer(model_accepts_loss_kwargs=True), None, step) == 0.25
+    assert hf_trainer.training_step_grad_scale(trainer(compute_loss_func=len), None, step) == 1.0
+    assert hf_trainer.training_step_grad_scale(trainer(loss_is_scaled_for_ga=False, compute_loss_func=len), 10,
+                                               step) == 0.25
+
+    def training_step(self, model, inputs, num_items_in_batch=None):  # scales some other way
+        return self.compute_loss(model, inputs) / self.args.gradient_accumulation_steps
+
+    with changed("transformers", r"gradient-accumulation scale"):
+        hf_trainer.training_step_grad_scale(trainer(), None, training_step)
+
+
 def test_gpus_per_process_is_limited_through_the_private_n_gpu(tmp_path):
     from transformers import TrainingArguments
 
@@ -205,6 +229,18 @@ def test_accelerator_private_lists_and_markers(monkeypatch):
     del accelerator._optimizers
     with changed("accelerate", r"Accelerator\._optimizers"):
         acc.prepared_optimizers(accelerator)
+
+
+def test_the_dynamo_backend_roundpipe_refuses(monkeypatch):
+    import accelerate
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DynamoBackend
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    assert acc.dynamo_backend(accelerator) == DynamoBackend.NO
+    monkeypatch.setattr(AcceleratorState, "__init__", lambda self, *args, **kwargs: None)  # sets no dynamo_plugin
+    with changed("accelerate", r"dynamo_plugin"):
+        acc.dynamo_backend(accelerator)
 
 
 def test_accelerate_state_reset(monkeypatch):
@@ -302,13 +338,23 @@ def trl():
     return pytest.importorskip("trl", reason="TRL is not installed (pip install trl; it is in the test extras)")
 
 
-def test_trl_trainers_are_transformers_trainers(trl, monkeypatch):
+def test_trl_trainers_are_transformers_trainers_that_call_roundpipes_methods(trl, monkeypatch):
     from transformers import Trainer
 
-    assert trl_internals.trl_trainer("SFTTrainer", Trainer) is trl.SFTTrainer
+    from accelerate_roundpipe.integrations.trainer import RoundPipeTrainer
+
+    for name in ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer"):
+        assert trl_internals.trl_trainer(name, Trainer, RoundPipeTrainer) is getattr(trl, name)
+
+    def _save_checkpoint(self, model, trial):  # saves by itself: RoundPipe's staged save would never run
+        return None
+
+    monkeypatch.setattr(trl.SFTTrainer, "_save_checkpoint", _save_checkpoint)
+    with changed("trl", r"SFTTrainer\._save_checkpoint"):
+        trl_internals.trl_trainer("SFTTrainer", Trainer, RoundPipeTrainer)
     monkeypatch.setattr(trl, "SFTTrainer", type("SFTTrainer", (), {}))
     with changed("trl", r"trl\.SFTTrainer"):
-        trl_internals.trl_trainer("SFTTrainer", Trainer)
+        trl_internals.trl_trainer("SFTTrainer", Trainer, RoundPipeTrainer)
 
 
 def test_the_fused_output_class(trl, monkeypatch):
