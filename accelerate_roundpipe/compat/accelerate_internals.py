@@ -75,6 +75,21 @@ def _check_prepared_marker() -> None:
     require_mention(original_accelerator().prepare, "_is_accelerate_prepared", LIBRARY, reach)
 
 
+def check_models_loaded_through_load_state_dict() -> None:
+    """accelerate's `load_state` loads each entry of `_models` through that object's own `load_state_dict` (as
+    `model.load_state_dict(...)`, or `safetensors.torch.load_model(model, ...)`, which calls it): so an entry may be
+    a stand-in that routes the weights elsewhere (`checkpoint.EngineWeights`: through the engine, refreshing the
+    optimizer copies). accelerate 1.15: `accelerate.checkpointing.load_accelerator_state`."""
+    import accelerate.checkpointing as checkpointing
+
+    reach = "accelerate.checkpointing.load_accelerator_state, loading each prepared model by its load_state_dict"
+    load = getattr(checkpointing, "load_accelerator_state", None)
+    if load is None:
+        raise LibraryChangedError(LIBRARY, reach, "accelerate.checkpointing has no `load_accelerator_state`")
+    require_mention(load, "load_state_dict", LIBRARY, reach)
+    require_mention(original_accelerator().load_state, "load_accelerator_state", LIBRARY, reach)
+
+
 def mark_prepared(obj) -> None:
     """Set the marker by which `Accelerator.prepare` recognises an object it already prepared and passes it through
     (accelerate 1.15: `_is_accelerate_prepared`)."""

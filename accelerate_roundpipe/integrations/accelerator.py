@@ -33,6 +33,7 @@ from torch import nn
 
 from ..compat.accelerate_internals import (
     check_accelerator_overrides,
+    check_models_loaded_through_load_state_dict,
     dynamo_backend,
     is_prepared,
     mark_prepared,
@@ -359,6 +360,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
     def _models_as_engine_weights(self):
         """accelerate loads model weights with `model.load_state_dict`; route RoundPipe models through the engine
         (same list positions, so the file names accelerate picks stay right)."""
+        check_models_loaded_through_load_state_dict()  # [Note: compatibility reaches]
         models = prepared_models(self)
         saved = list(models)
         models[:] = [EngineWeights(e) if (e := engine_of(m)) is not None else m for m in saved]

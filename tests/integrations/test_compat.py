@@ -231,6 +231,15 @@ def test_accelerator_private_lists_and_markers(monkeypatch):
         acc.prepared_optimizers(accelerator)
 
 
+def test_accelerate_loads_prepared_models_through_their_load_state_dict(monkeypatch):
+    import accelerate.checkpointing as checkpointing
+
+    acc.check_models_loaded_through_load_state_dict()
+    monkeypatch.setattr(checkpointing, "load_accelerator_state", lambda input_dir, models, *args, **kwargs: None)
+    with changed("accelerate", r"load_accelerator_state"):
+        acc.check_models_loaded_through_load_state_dict()
+
+
 def test_the_dynamo_backend_roundpipe_refuses(monkeypatch):
     import accelerate
     from accelerate.state import AcceleratorState
