@@ -78,8 +78,7 @@ class BucketSteppers:
 
     def groups(self, bucket: Bucket, hyper: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`bucket`'s step settings: the snapshot `hyper` of each group that has parameters in it."""
-        stepper, members = self._steppers[bucket.index]
-        return [hyper[i] for i in members] if stepper.param_groups else []
+        return [hyper[i] for i in self._steppers[bucket.index][1]]
 
     def step(self, bucket: Bucket, hyper: list[dict[str, Any]], grad_scale: float | None = None) -> None:
         """Step `bucket`'s parameters with the snapshot `hyper`; with `grad_scale`, the fused kernel divides the
