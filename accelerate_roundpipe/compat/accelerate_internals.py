@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import LibraryChangedError, check_overrides, require_mention
+from . import LibraryChangedError, check_overrides, require_attribute, require_mention, require_parameters
 
 LIBRARY = "accelerate"
 
@@ -138,3 +138,24 @@ def reset_accelerate_state() -> None:
             raise LibraryChangedError(LIBRARY, reach, f"{state.__name__} has no `_reset_state` any more")
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def check_accelerated_optimizer_init() -> None:
+    """`accelerate.optimizer.AcceleratedOptimizer.__init__` still takes `(optimizer, device_placement, scaler)`:
+    `RoundPipeAcceleratedOptimizer` subclasses it and calls `super().__init__(optimizer, device_placement=False,
+    scaler=None)`, keeping the optimizer state on the host and loss scaling off (accelerate 1.15)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    require_parameters(AcceleratedOptimizer.__init__, ("optimizer", "device_placement", "scaler"), LIBRARY,
+                       "accelerate.optimizer.AcceleratedOptimizer.__init__ (called by RoundPipeAcceleratedOptimizer)")
+
+
+def state_backend(state) -> str | None:
+    """The torch.distributed backend of accelerate's state (`PartialState.backend`, which `_prepare_backend` sets:
+    "nccl", "gloo", ... or None on one process; accelerate 1.15), from which RoundPipe picks the device its
+    collectives' tensors live on. A state without it must not read as "no backend"."""
+    from accelerate.state import PartialState
+
+    reach = "PartialState.backend (the backend accelerate's collectives run on)"
+    require_mention(PartialState.__init__, "backend", LIBRARY, reach)
+    return require_attribute(state, "backend", LIBRARY, reach)

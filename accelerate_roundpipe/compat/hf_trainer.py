@@ -98,10 +98,12 @@ def training_step_grad_scale(trainer, num_items_in_batch, base_training_step: Ca
     fused step gives the engine this scale itself, so the rule is mirrored here (transformers 5.24); checked: the
     Trainer's step still reads each of these attributes."""
     reach = "the gradient-accumulation scale of Trainer.training_step (mirrored by RoundPipe's fused step)"
-    for name in ("loss_is_scaled_for_ga", "model_accepts_loss_kwargs", "compute_loss_func",
-                 "current_gradient_accumulation_steps"):
+    for name in ("model_accepts_loss_kwargs", "compute_loss_func", "current_gradient_accumulation_steps"):
         require_mention(base_training_step, name, LIBRARY, reach)
-    scaled_for_ga = getattr(trainer, "loss_is_scaled_for_ga", None)
+    # `loss_is_scaled_for_ga` is newer (read by 5.24, absent from 5.17, which the lent GPU has): the rule without it
+    # is the older versions' whole rule.
+    scaled_for_ga = getattr(trainer, "loss_is_scaled_for_ga", None) \
+        if mentions(base_training_step, "loss_is_scaled_for_ga") else None
     if scaled_for_ga is None:
         scaled_for_ga = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
             trainer.compute_loss_func is not None
@@ -127,3 +129,22 @@ def rotate_checkpoints(output_dir: str, save_total_limit, best_model_checkpoint)
                        reach, leading=False)
     rotate(output_dir=output_dir, save_total_limit=save_total_limit, best_model_checkpoint=best_model_checkpoint,
            use_mtime=True)
+
+
+def compute_loss_process_factor(average_tokens_across_devices: bool, counts_items: bool, num_items_in_batch: object,
+                                num_processes: int, tp_size: int = 1, n_gpu: int = 1) -> int:
+    """The factor `transformers.Trainer.compute_loss` multiplies the loss by, to undo DDP's mean when the loss was
+    normalised by the global token count ([Note: data-parallel loss scaling]): `num_processes // tp_size` (`n_gpu`
+    with several GPUs per process) when `average_tokens_across_devices`, the model counts items
+    (`counts_items`: `model_accepts_loss_kwargs or compute_loss_func`) and a count was given; else 1. Mirrored
+    (transformers 5.24) so RoundPipe can take it off the engine's fused loss; checked: `compute_loss` still reads
+    each of these."""
+    from transformers import Trainer
+
+    reach = "the num_processes factor of Trainer.compute_loss (taken off RoundPipe's fused loss)"
+    for name in ("average_tokens_across_devices", "model_accepts_loss_kwargs", "compute_loss_func",
+                 "num_processes", "get_tp_size", "n_gpu"):
+        require_mention(Trainer.compute_loss, name, LIBRARY, reach)
+    if not (average_tokens_across_devices and counts_items and num_items_in_batch is not None):
+        return 1
+    return num_processes // tp_size if n_gpu <= 1 else n_gpu

@@ -1,6 +1,6 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
-the GPU machine). The callers sit in files another change is reworking (`integrations/multi_process.py`,
-`runtime/optimizer.py`); they move here with it."""
+the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout, the engine's autograd
+nodes), `runtime/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the vectorised norms)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,24 @@ def mark_stepped_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
 
 def backward_node_class(function: type) -> type:
     """The class of the autograd node a `torch.autograd.Function` subclass's outputs carry as `grad_fn`: its
-    private `_backward_cls` (torch 2.13), by which RoundPipe recognises its own nodes in a loss's graph."""
-    node = require_attribute(function, "_backward_cls", LIBRARY, "torch.autograd.Function._backward_cls")
+    private `_backward_cls` (torch 2.13), by which RoundPipe recognises its own nodes in a loss's graph. It must be
+    the subclass's own: the one inherited from `torch.autograd.Function` would match no node of ours."""
+    reach = "torch.autograd.Function._backward_cls"
+    node = require_attribute(function, "_backward_cls", LIBRARY, reach)
+    if "_backward_cls" not in vars(function):
+        raise LibraryChangedError(LIBRARY, reach, f"{function.__qualname__} has none of its own (only an inherited "
+                                                  f"one)")
     if not isinstance(node, type):
         raise LibraryChangedError(LIBRARY, "torch.autograd.Function._backward_cls", "it is no longer a class")
     return node
+
+
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each of `tensors`, in one vectorised call: torch's private `torch._foreach_norm` (torch 2.11
+    and 2.13), which `LateGradNorm` uses to measure a bucket's gradients on the optimizer thread without one
+    reduction per tensor ([Note: late grad norm])."""
+    reach = "torch._foreach_norm"
+    norms = require_attribute(torch, "_foreach_norm", LIBRARY, reach)
+    if not callable(norms):
+        raise LibraryChangedError(LIBRARY, reach, "it is no longer callable")
+    return norms(tensors)

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..compat.torch_internals import foreach_norms
 from ..runtime import RoundPipe, RoundPipeOptimizer
 from .optimizer import optimizer_copy_map
 
@@ -127,7 +128,7 @@ class LateGradNorm:
             count += len(group["params"])
             grads = [p.grad for p in group["params"] if p.grad is not None]
             if grads:  # one vectorised call per group (a bucket), not one reduction per tensor
-                squares += float(torch.stack(torch._foreach_norm(grads)).float().pow(2).sum())
+                squares += float(torch.stack(foreach_norms(grads)).float().pow(2).sum())
         if step_index is None:
             return
         with self._lock:

@@ -44,7 +44,6 @@ its peer, instead of gloo's bare "Timed out waiting" or "Connection closed by pe
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import socket
@@ -53,7 +52,9 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-logger = logging.getLogger(__name__)
+from ..compat.accelerate_internals import state_backend
+from ..compat.hf_trainer import compute_loss_process_factor
+from ..compat.torch_internals import backward_node_class, set_default_group_timeout
 
 MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
 
@@ -176,7 +177,7 @@ def loss_kind(loss: torch.Tensor, max_nodes: int = 100_000) -> str:
     from ..runtime.deferred import DeferredLoss
     from ..runtime.engine import _PipelineBackward
 
-    deferred_node, pipeline_node = DeferredLoss._backward_cls, _PipelineBackward._backward_cls
+    deferred_node, pipeline_node = backward_node_class(DeferredLoss), backward_node_class(_PipelineBackward)
     found = set()
     stack, seen = [loss.grad_fn], set()
     while stack and len(seen) < max_nodes:
@@ -212,10 +213,10 @@ def backward_scale(kind: str, world_size: int) -> float:
 def trainer_loss_multiplier(average_tokens_across_devices: bool, counts_items: bool, num_items_in_batch: object,
                             num_processes: int, tp_size: int = 1, n_gpu: int = 1) -> int:
     """The factor `transformers.Trainer.compute_loss` (5.x) multiplies the loss by, to undo DDP's mean when the loss
-    was normalised by the global token count; `counts_items` is `model_accepts_loss_kwargs or compute_loss_func`."""
-    if not (average_tokens_across_devices and counts_items and num_items_in_batch is not None):
-        return 1
-    return num_processes // tp_size if n_gpu <= 1 else n_gpu
+    was normalised by the global token count; `counts_items` is `model_accepts_loss_kwargs or compute_loss_func`.
+    Mirrored, and checked against the installed Trainer, in `compat/hf_trainer.py`."""
+    return compute_loss_process_factor(average_tokens_across_devices, counts_items, num_items_in_batch,
+                                       num_processes, tp_size, n_gpu)
 
 
 # ---------------------------------------------------------------------- checkpoint files and agreement
@@ -298,21 +299,16 @@ class RankAgreement:
 # ---------------------------------------------------------------------- collective timeouts
 
 def follow_wait_timeout(timeout_s: float) -> None:
-    """Make the default process group's collectives time out after `timeout_s` ([Note: collective timeouts])."""
+    """Make the default process group's collectives time out after `timeout_s` ([Note: collective timeouts]).
+    Through torch's private setter (`compat/torch_internals.py`): a torch without it raises `LibraryChangedError`
+    rather than leaving every rank waiting the group's own timeout (default 1800 s) on a dead peer."""
     import datetime
 
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-    except ImportError:  # a torch without it: the group keeps the timeout it was made with
-        logger.warning("this torch cannot change the default process group's timeout: a rank that stalls stops the "
-                       "others only after the timeout the group was made with (TrainingArguments.ddp_timeout, "
-                       "accelerate's InitProcessGroupKwargs); set it to wait_timeout_s (%g s).", timeout_s)
-        return
-    _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    set_default_group_timeout(datetime.timedelta(seconds=timeout_s))
 
 
 def peer_ranks(rank: int, world_size: int) -> str:
@@ -354,6 +350,6 @@ def named_collective(what: str, timeout_s: float | None) -> Iterator[None]:
 
 def collective_device(state) -> torch.device:
     """Where accelerate's collectives need tensors: the state's device for NCCL-like backends, else the CPU (the
-    RoundPipe caller keeps its tensors in host memory)."""
-    backend = getattr(state, "backend", None)
+    RoundPipe caller keeps its tensors in host memory). No backend (one process) is the CPU too."""
+    backend = state_backend(state)
     return torch.device("cpu") if backend in (None, "gloo", "mpi") else state.device

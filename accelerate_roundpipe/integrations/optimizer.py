@@ -21,6 +21,7 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
+from ..compat.accelerate_internals import check_accelerated_optimizer_init
 from ..runtime import RoundPipe, RoundPipeOptimizer
 
 
@@ -99,5 +100,6 @@ class RoundPipeAcceleratedOptimizer(AcceleratedOptimizer):
     """
 
     def __init__(self, optimizer: RoundPipeOptimizer) -> None:
+        check_accelerated_optimizer_init()  # [Note: compatibility reaches]
         super().__init__(optimizer, device_placement=False, scaler=None)
 

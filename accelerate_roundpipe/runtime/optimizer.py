@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..compat.torch_internals import mark_stepped_for_scheduler
 from ..telemetry.trace import maybe_span
 from . import faults
 from .clip import GradientClip
@@ -109,7 +110,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         clip, self._clip = self._clip, None
         policy = self._lagged if self.async_step and self.steps_taken >= self.exact_steps_first else self._exact
         self.steps_taken += 1
-        self.inner._opt_called = True  # [Note: scheduler step count]
+        mark_stepped_for_scheduler(self.inner)  # [Note: scheduler step count]
         with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
             policy.schedule(self, hyper, clip)
 

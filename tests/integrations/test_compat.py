@@ -500,3 +500,120 @@ def test_a_launcher_target_moved_or_renamed_is_refused_before_anything_is_swappe
     monkeypatch.delattr(accelerate, "Accelerator")
     with changed("accelerate", r"accelerate\.Accelerator"):
         launcher_swaps.swap_target("accelerate", "Accelerator", object)
+
+
+# ---------------------------------------------------------------------- the callers reach through compat
+
+
+def test_the_default_group_timeout_follows_wait_timeout_through_compat(monkeypatch):
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from accelerate_roundpipe.integrations import multi_process
+
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        multi_process.follow_wait_timeout(7.0)
+        monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout: None)  # the group no longer taken
+        with changed("torch", r"_set_pg_timeout"):
+            multi_process.follow_wait_timeout(7.0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_engines_autograd_nodes_are_recognised_through_compat(monkeypatch):
+    from accelerate_roundpipe.integrations import multi_process
+    from accelerate_roundpipe.runtime.deferred import DeferredLoss
+
+    loss = torch.ones(2, requires_grad=True).sum()
+    assert multi_process.loss_kind(loss) == multi_process.OTHER
+    monkeypatch.delattr(DeferredLoss, "_backward_cls")  # as it would be, were torch to name its node otherwise
+    with changed("torch", r"_backward_cls"):
+        multi_process.loss_kind(loss)
+
+
+def test_the_trainers_num_processes_factor_is_checked(monkeypatch):
+    import transformers
+
+    from accelerate_roundpipe.integrations import multi_process
+
+    assert multi_process.trainer_loss_multiplier(True, True, 10, 4) == 4
+    assert multi_process.trainer_loss_multiplier(True, True, 10, 4, tp_size=2) == 2
+    assert multi_process.trainer_loss_multiplier(True, True, 10, 4, n_gpu=3) == 3
+    assert multi_process.trainer_loss_multiplier(True, False, 10, 4) == 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss  # a Trainer that no longer undoes DDP's mean
+
+    monkeypatch.setattr(transformers.Trainer, "compute_loss", compute_loss)
+    with changed("transformers", r"num_processes factor of Trainer.compute_loss"):
+        multi_process.trainer_loss_multiplier(True, True, 10, 4)
+
+
+def test_the_collective_device_reads_accelerates_backend_checked():
+    from types import SimpleNamespace
+
+    from accelerate_roundpipe.integrations import multi_process
+
+    assert multi_process.collective_device(SimpleNamespace(backend="gloo", device=torch.device("cuda", 0))) == \
+        torch.device("cpu")
+    assert multi_process.collective_device(SimpleNamespace(backend=None, device=torch.device("cpu"))) == \
+        torch.device("cpu")
+    assert multi_process.collective_device(SimpleNamespace(backend="nccl", device=torch.device("cuda", 1))) == \
+        torch.device("cuda", 1)
+    with changed("accelerate", r"PartialState.backend"):  # a state whose backend moved: not "no backend"
+        multi_process.collective_device(SimpleNamespace(device=torch.device("cuda", 1)))
+
+
+def test_the_scheduler_flag_is_set_by_roundpipes_step_through_compat(monkeypatch):
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+    torch.manual_seed(0)
+    engine = RoundPipe(nn.Sequential(nn.Linear(4, 4)), RoundPipeConfig(devices=["cpu"], num_microbatches=1))
+    try:
+        optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+        engine.forward_backward(torch.randn(2, 4), labels=torch.randn(2, 4), loss_fn=nn.functional.mse_loss)
+        optimizer.step()
+        assert optimizer.inner._opt_called
+        engine.forward_backward(torch.randn(2, 4), labels=torch.randn(2, 4), loss_fn=nn.functional.mse_loss)
+        monkeypatch.setattr(LRScheduler, "step", lambda self, epoch=None: None)
+        with changed("torch", r"_opt_called"):
+            optimizer.step()
+    finally:
+        engine.close()
+
+
+def test_the_late_grad_norm_measures_through_compat(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from accelerate_roundpipe.integrations.grad_norm import STEP_TAG, LateGradNorm
+
+    weight = nn.Parameter(torch.zeros(3))
+    weight.grad = torch.tensor([3.0, 0.0, 4.0])
+    stepper = SimpleNamespace(param_groups=[{"params": [weight], STEP_TAG: 5}])
+    late = SimpleNamespace(_lock=threading.Lock(), _squares={}, _seen={})
+    LateGradNorm._measure(late, stepper, (), {})
+    assert late._squares == {5: pytest.approx(25.0)} and late._seen == {5: 1}
+    monkeypatch.delattr(torch, "_foreach_norm")
+    with changed("torch", r"torch._foreach_norm"):
+        LateGradNorm._measure(late, stepper, (), {})
+
+
+def test_accelerates_optimizer_wrapper_is_built_with_the_parameters_roundpipe_passes(monkeypatch):
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from accelerate_roundpipe.integrations.optimizer import RoundPipeAcceleratedOptimizer
+
+    acc.check_accelerated_optimizer_init()
+
+    def init(self, optimizer, device_placement=True):  # a wrapper without the scaler
+        self.optimizer = optimizer
+
+    monkeypatch.setattr(AcceleratedOptimizer, "__init__", init)
+    with changed("accelerate", r"AcceleratedOptimizer.__init__"):
+        RoundPipeAcceleratedOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
