@@ -98,18 +98,17 @@ class CausalLMRoundPipe(RoundPipe):
         if labels is None:
             raise ValueError("forward_backward needs `labels` in the batch (the model's loss is computed from them).")
         batch = self._model_inputs(batch)
-        batch_tokens = None
-        if self.data_parallel is not None:
-            batch_tokens = self._global_counts(batch, labels)
+        batch_tokens = self._global_counts(batch, labels)
         inputs = self.split.prepare_inputs(labels=labels, batch_tokens=batch_tokens, **batch)
         return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
 
     def _global_counts(self, batch: dict[str, Any], labels: torch.Tensor) -> int | None:
-        """Under data parallelism ([Note: data parallel]) what a loss is normalised by counts the GLOBAL batch: the
-        label tokens (HF's `num_items_in_batch`, unless the caller gave it: then it is the global count already)
-        and, for a router aux loss, the non-padding tokens ([Note: router statistics]; else each rank's aux would
-        count in full and the sum over ranks be world_size times HF's). One all-reduce; returns the token count
-        when the model has a router aux loss."""
+        """What a loss is normalised by counts the GLOBAL batch: the label tokens (HF's `num_items_in_batch`, unless
+        the caller gave it: then it is the global count already) and, for a router aux loss, the non-padding tokens
+        ([Note: router statistics]; else each rank's aux would count in full and the sum over ranks be world_size
+        times HF's). Summed by the engine's gradient exchange ([Note: gradient exchange]): over the ranks under data
+        parallelism ([Note: data parallel]), this batch's own counts on one process. Returns the token count when
+        the model has a router aux loss."""
         has_router_aux = self.split.router_experts is not None
         if batch.get("num_items_in_batch") is not None and not has_router_aux:
             return None  # nothing to count: the caller's count is the global one
