@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine as engine_module
-from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime import engine_threads, faults
 from accelerate_roundpipe.runtime.sync import InterruptedReservationError
 
 
@@ -71,7 +70,7 @@ class SlowInBackward(nn.Module):
 
 def test_close_waits_for_a_thread_in_a_slow_layer(monkeypatch, caplog):
     """Before: close() gave up on a thread after 10 s and freed the host memory under it."""
-    monkeypatch.setattr(engine_module, "CLOSE_WARNING_S", 0.3)
+    monkeypatch.setattr(engine_threads, "CLOSE_WARNING_S", 0.3)
     SLOW_STARTED.clear()
     SLOW_ENDED.clear()
     torch.manual_seed(0)

@@ -166,7 +166,7 @@ def test_saved_inputs_kept_on_the_reading_worker(monkeypatch, num_devices, expec
 
     def spy(self, job, layer, mb, h):
         original(self, job, layer, mb, h)
-        kept.append(job.state.saved[(layer, mb)].worker_index == self.device.index)
+        kept.append(job.results.saved_input(layer, mb).worker_index == self.device.index)
 
     monkeypatch.setattr(Worker, "_save_input", spy)
     model = tied_model(dropout=0.3)

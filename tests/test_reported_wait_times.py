@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine as engine_module
-from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime import engine_threads, faults
 from accelerate_roundpipe.runtime.sync import FailureFlag
 
 TASKS_PER_PASS = 4  # two forward-side tasks, the fused stage, one backward stage: the last one ends after the loss
@@ -23,7 +22,7 @@ SLOW_S = 2.5
 def test_close_reports_the_seconds_it_really_waited(monkeypatch, caplog):
     """Before: each warning added the nominal interval, while the joins of threads that had already ended returned
     at once: "waited 10 s" after about 1.7 s, "30 s" before returning at 24 s."""
-    monkeypatch.setattr(engine_module, "CLOSE_WARNING_S", 1.0)
+    monkeypatch.setattr(engine_threads, "CLOSE_WARNING_S", 1.0)
     slow_started = threading.Event()
     tasks = 0
 
@@ -47,7 +46,7 @@ def test_close_reports_the_seconds_it_really_waited(monkeypatch, caplog):
         with pytest.raises(RuntimeError, match="a failure elsewhere"):
             engine.synchronize()
         start = time.time()
-        with caplog.at_level(logging.WARNING, logger=engine_module.__name__):
+        with caplog.at_level(logging.WARNING, logger=engine_threads.__name__):
             engine.close()
         closed_after = time.time() - start
     reports = [(float(re.search(r"has waited ([\d.]+) s", r.getMessage()).group(1)), r.created - start)

@@ -80,6 +80,10 @@ class DeferredPasses:
         self.host_ops: SerialExecutor | None = None
         self._pending: DeferredCommit | None = None
 
+    def expect_scale(self, scale: float) -> None:
+        """Deferred passes from now on expect their loss's backward to bring gradient `scale`."""
+        self.expected_scale = scale
+
     def awaiting_backward(self, deferred: DeferredCommit) -> None:
         """`deferred`'s loss went to the caller: drop the pass at the next `drop_pending()` unless it is resolved."""
         self._pending = deferred

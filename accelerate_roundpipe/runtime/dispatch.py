@@ -16,7 +16,7 @@ from ..telemetry.trace import TraceRecorder
 from . import faults
 from .device import Device, Payload
 from .host_store import HostStore
-from .jobs import PassState, TaskJob
+from .jobs import PassPlan, PassResults, TaskJob
 from .measured_plan import MeasuredPlan
 from .sync import FailureFlag, Future
 from .worker import Worker
@@ -36,6 +36,8 @@ class Dispatcher:
         self.workers: list[Worker] | None = None  # started on first use
         self.next_device = 0
         self._inflight: list[Future] = []  # `done` of every task not yet waited for
+        # Each pass not yet seen ended: its results and its tasks' `done` ([Note: a pass's plan and results]).
+        self._passes: list[tuple[PassResults, list[Future]]] = []
         self._schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for the workers' error reports
 
     def start_workers(self, seed: int) -> bool:
@@ -43,15 +45,18 @@ class Dispatcher:
         if self.workers is not None:
             return False
         self.workers = [Worker(d, self.store, self.failure, self.config.resolved_recompute, seed, len(self.devices),
-                               self.trace) for d in self.devices]
+                               self.trace, self._schedules) for d in self.devices]
         for worker in self.workers:
-            worker.schedules = self._schedules
             worker.start()
         return True
 
     def reseed(self, seed: int) -> None:
         for worker in self.workers or []:
-            worker.base_seed = seed
+            worker.reseed(seed)
+
+    def resume_at(self, next_device: int) -> None:
+        """The next pass starts on device `next_device` (modulo the device count), as a checkpoint recorded."""
+        self.next_device = next_device % len(self.devices)
 
     def schedule(self, partition: Partition, num_mb: int, mode: Mode) -> list[Task]:
         """The tasks of the next pass of `num_mb` micro-batches."""
@@ -60,11 +65,23 @@ class Dispatcher:
 
     def forget_finished(self) -> None:
         self._inflight = [f for f in self._inflight if not f.done]
+        self._check_ended_passes()
 
     def wait_inflight(self) -> None:
         for done in self._inflight:
             done.get(self.failure)
         self._inflight.clear()
+        self._check_ended_passes()
+
+    def _check_ended_passes(self) -> None:
+        """Check the results of every pass whose tasks are all done empty ([Note: a pass's plan and results]); on
+        the caller's thread, after it took the losses and outputs."""
+        ended = [results for results, done in self._passes if all(f.done for f in done)]
+        self._passes = [(results, done) for results, done in self._passes if not all(f.done for f in done)]
+        if not self.failure.running:
+            return  # a failed or cancelled task sets `done` having left its work undone: nothing to check
+        for results in ended:
+            results.check_drained()
 
     def layer_copies(self) -> list[tuple[int, object]]:
         """(layer index, module) of every device's copies of the layers ([Note: adapter switches])."""
@@ -89,17 +106,18 @@ class Dispatcher:
             return {(t.round_index, layer): 0 for t in tasks for layer in t.span.layers}
         return {}
 
-    def enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
-        with self.failure.reserving(f"pass {state.index}"):  # [Note: interrupted reservations]
-            return self._enqueue(tasks, state, first_inputs)
+    def enqueue(self, tasks: list[Task], plan: PassPlan, results: PassResults,
+                first_inputs: list[tuple]) -> list[TaskJob]:
+        with self.failure.reserving(f"pass {plan.index}"):  # [Note: interrupted reservations]
+            return self._enqueue(tasks, plan, results, first_inputs)
 
-    def _enqueue(self, tasks: list[Task], state: PassState, first_inputs: list[tuple]) -> list[TaskJob]:
-        self._schedules[state.index] = tasks
-        for old in [k for k in self._schedules if k <= state.index - _KEEP_SCHEDULES]:
+    def _enqueue(self, tasks: list[Task], plan: PassPlan, results: PassResults,
+                 first_inputs: list[tuple]) -> list[TaskJob]:
+        self._schedules[plan.index] = tasks
+        for old in [k for k in self._schedules if k <= plan.index - _KEEP_SCHEDULES]:
             del self._schedules[old]
         store = self.store
-        reader = self._saved_input_readers(tasks, state.mode)
-        state.keep_limit_bytes = self.plan.keep_limit_bytes
+        reader = self._saved_input_readers(tasks, plan.mode)
         # Which task's outputs feed each task, and where its outputs go: the lowered schedule says it, not this loop
         # ([Note: schedule lowering]).
         links = task_links(lower_schedule(tasks))
@@ -120,16 +138,17 @@ class Dispatcher:
             grads = [(b, store.buckets[b].grads.reserve()) for b in buckets
                      if task.needs_grad and store.buckets[b].trainable]
             faults.point("dispatch.enqueue")  # on the caller's thread, between reservation and submission
-            job = TaskJob(task, state, inputs, outputs, reads, grads, index, link.send_to,
+            job = TaskJob(task, plan, results, inputs, outputs, reads, grads, index, link.send_to,
                           keep_saved=frozenset(layer for layer in task.span.layers
                                                if reader.get((task.round_index, layer)) == task.device_index))
             outputs_of.append(outputs)
             jobs.append(job)
             self._inflight.append(job.done)
-            self.workers[task.device_index].num_queued += 1
-            self.workers[task.device_index].queue.put(job)
+            self.workers[task.device_index].submit(job)
         last_of_rounds = sorted((i for i, link in enumerate(links) if link.send_to is None),
                                 key=lambda i: tasks[i].round_index)  # the tasks whose outputs go to the caller
-        state.outputs = [f for i in last_of_rounds for f in outputs_of[i]]
+        if plan.mode is Mode.FORWARD:  # a backward's last tasks give the gradients of the inputs, which none reads
+            results.expect_outputs([f for i in last_of_rounds for f in outputs_of[i]])
+        self._passes.append((results, [job.done for job in jobs]))
         self.next_device = (tasks[-1].device_index + 1) % len(self.devices)
         return jobs

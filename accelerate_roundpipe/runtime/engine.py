@@ -8,11 +8,8 @@ timing. Call the engine from one thread.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,97 +22,24 @@ from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
+from . import engine_checkpoint
 from .adapter_switches import AdapterSwitches
 from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
 from .device import Device, use_expandable_segments
 from .dispatch import Dispatcher
+from .engine_checkpoint import PassCounts
+from .engine_threads import EngineThreads
 from .gloo_exchange import DataParallelGroup
-from .gradient_exchange import NoExchange, gradient_exchange
+from .gradient_exchange import gradient_exchange
 from .host_store import HostStore
-from .jobs import PassState
+from .jobs import PassPlan, PassResults
 from .measured_plan import MeasuredPlan
 from .microbatches import MicrobatchPolicy, loss_count_totals, loss_shares, split_rows, tensor_tuple
 from .optimizer import RoundPipeOptimizer
-from .sync import EngineClosedError, FailureFlag, Future
+from .sync import EngineClosedError, FailureFlag
 from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
-CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
-
-
-@dataclass
-class _Background:
-    """The engine's threads, held apart from it so that a finalizer can stop them without keeping it alive."""
-
-    dispatch: Dispatcher  # the device workers, started on first use
-    deferred: DeferredPasses  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
-    failure: FailureFlag  # closed to cancel pending work when the engine is dropped without close()
-    exchange: NoExchange | DataParallelGroup  # [Note: gradient exchange]
-    optimizer: RoundPipeOptimizer | None = None
-
-    def abandon(self) -> None:
-        """The engine was dropped without `close()`: cancel what is still pending instead of finishing it (a step
-        may wait for gradients of a pass nobody will commit), then stop the threads. Closing the failure flag makes
-        every wait in those threads abort within a poll interval, so the joins below return promptly. Under data
-        parallelism the queued steps are finished first and the ranks meet ([Note: end of a data-parallel run]):
-        cancelled, they would leave the peers inside this rank's last collectives."""
-        self.exchange.before_abandon()  # data-parallel: finish_collectives
-        self.failure.close()
-        self.stop()
-        self.exchange.close(clean=False)  # its stream threads end; at exit they are waited for
-
-    def finish_collectives(self) -> None:
-        """At exit or when dropped, healthy, data-parallel: drain the optimizer thread (its queued steps wait only
-        for passes already on the workers) and meet the peers, as the end of `train()` does; unless the process is
-        dying of an error (a peer should learn of it at once, not at the timeout) or the engine failed."""
-        import sys
-
-        if self.failure.error is not None or self.failure.closed or getattr(sys, "last_value", None) is not None:
-            return
-        if threading.current_thread().name.startswith("roundpipe-"):
-            return  # freed by a collection on one of its own threads: that thread cannot wait for itself
-        try:
-            if self.optimizer is not None:
-                self.optimizer.thread.wait_idle()
-                self.failure.check()
-            self.exchange.meet_peers(only_after_collectives=True)
-        except Exception as error:  # noqa: BLE001 - at exit nobody can catch it; the peers see their own errors
-            logger.warning("RoundPipe could not finish its data-parallel steps with the other ranks before exiting: "
-                           "%s", error)
-
-    def stop(self, join_timeout_s: float | None = 10.0) -> None:
-        """Stop and join every thread (also at interpreter exit: a thread killed inside a torch op aborts). With
-        `join_timeout_s=None` (`close()`) wait until each has ended, however long its current layer or step takes:
-        `close()` then frees the host memory, which a thread still running would use; a warning every
-        `CLOSE_WARNING_S` names the threads still running."""
-        threads = []
-        for worker in self.dispatch.workers or []:
-            worker.stop()
-            threads.extend(worker.threads)
-        for executor in (self.optimizer.thread if self.optimizer is not None else None, self.deferred.host_ops):
-            if executor is not None:
-                executor.stop()
-                threads.append(executor.thread)
-        threads = [t for t in threads if t is not threading.current_thread() and t.ident is not None]
-        if join_timeout_s is not None:
-            for thread in threads:
-                thread.join(join_timeout_s)
-            return
-        # The clock, not a sum of join timeouts: a join returns early when its thread ends, so the warnings would
-        # report more than was waited ("10 s" after 1.7 s).
-        start = time.monotonic()
-        next_warning = start + CLOSE_WARNING_S
-        while True:
-            for thread in threads:
-                thread.join(max(next_warning - time.monotonic(), 0.0))
-            threads = [t for t in threads if t.is_alive()]
-            if not threads:
-                return
-            if time.monotonic() >= next_warning:
-                logger.warning("RoundPipe close() has waited %.1f s for %s to finish the layer or step it is running "
-                               "(its work is cancelled; it stops at its next wait).", time.monotonic() - start,
-                               ", ".join(t.name for t in threads))
-                next_warning = time.monotonic() + CLOSE_WARNING_S
 
 
 class RoundPipe(nn.Module):
@@ -171,11 +95,8 @@ class RoundPipe(nn.Module):
         self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
                                                    backward_stages=self.config.backward_stages)
         self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
-        self._seed = self.config.seed if self.config.seed is not None else torch.initial_seed()
-        self._num_passes = 0
-        # The RNG streams' keys: training passes and evaluation passes count apart ([Note: RNG streams of passes]).
-        self._training_passes = 0
-        self._evaluation_passes = 0
+        # The RNG streams' base seed and keys ([Note: RNG streams of passes]); saved with a checkpoint.
+        self._passes = PassCounts(self.config.seed if self.config.seed is not None else torch.initial_seed())
         dp = self.data_parallel  # one trace file per rank ([Note: one trace per rank])
         self.trace = TraceRecorder(self.config.trace_path, dp.rank if dp else None, self._exchange.world_size) \
             if self.config.trace_path else None
@@ -186,7 +107,7 @@ class RoundPipe(nn.Module):
         self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
         self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
         self._deferred = DeferredPasses(self._store, self._failure)
-        self._background = _Background(self._dispatch, self._deferred, self._failure, self._exchange)
+        self._background = EngineThreads(self._dispatch, self._deferred, self._failure, self._exchange)
         # Run at exit ([Note: clean exit under data parallelism]) or when dropped.
         self._exchange.bind(self._failure, self._background.finish_collectives)
         # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
@@ -262,13 +183,14 @@ class RoundPipe(nn.Module):
         if self.optimizer is not None:
             self.synchronize()
             self.optimizer.close()
-        self._background.optimizer = RoundPipeOptimizer(optimizer, self._store, self._failure,
+        wrapped = RoundPipeOptimizer(optimizer, self._store, self._failure,
                                                         self.config.resolved_async_optimizer,
                                                         deferred_passes=self._deferred, trace=self.trace,
                                                         exact_steps_first=self.config.resolved_async_warmup_steps,
                                                         layout_of=lambda user: self._exchange.optimizer_layout(
                                                             user, self._store, self.trace))
-        self._torn.write_back = weakref.WeakMethod(self.optimizer.write_back_after_failure)
+        self._background.use_optimizer(wrapped)
+        self._torn.follow_optimizer(self.optimizer.write_back_after_failure)
         return self.optimizer
 
     # ------------------------------------------------------------------ passes
@@ -309,30 +231,30 @@ class RoundPipe(nn.Module):
             if not isinstance(error, EngineClosedError):
                 self._exchange.pass_failed(error, "the start of a training pass", self._failure)
             raise
-        totals = self.sum_over_ranks(totals, f"the exchange of label counts at the start of pass {self._num_passes}")
+        totals = self.sum_over_ranks(
+            totals, f"the exchange of label counts at the start of pass {self._passes.num_passes}")
         self.counters.count(inputs[0])
         shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
         training = self._modules["module"].training
-        state = PassState(self._new_pass_index(), Mode.TRAIN, training, mb_rows,
-                          self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
-                          rng_stream=self._new_rng_stream(training),
-                          labels=mb_labels, loss_fn=loss_fn, loss_weights=[s * scale for s in shares],
-                          losses=[Future(f"loss of micro-batch {m}") for m in range(num_mb)],
-                          deferred=DeferredCommit(scale) if deferred else None)
-        state.profile = self._plan.profile_for_pass(len(self.layers))
-        state.input_dtypes = _floating_dtypes(inputs)
-        jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), state, mb_inputs)
-        if state.profile is not None:
-            self._plan.measured(state.profile, jobs, num_mb, rows)
+        plan = PassPlan(self._passes.new_pass_index(), Mode.TRAIN, training, tuple(mb_rows),
+                        self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
+                        labels=tuple(mb_labels), loss_fn=loss_fn, loss_weights=tuple(s * scale for s in shares),
+                        keep_limit_bytes=self._plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
+                        rng_stream=self._passes.new_rng_stream(training))
+        results = PassResults(plan.index, num_losses=num_mb, deferred=DeferredCommit(scale) if deferred else None,
+                              profile=self._plan.profile_for_pass(len(self.layers)))
+        jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
+        if results.profile is not None:
+            self._plan.measured(results.profile, jobs, num_mb, rows)
         self._release_writebacks()
-        with maybe_span(self.trace, "caller", f"wait for the loss of pass {state.index}"):
+        with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):
             try:
-                losses = [f.get(self._failure).host()[0] for f in state.losses]
+                losses = [loss.host()[0] for loss in results.take_losses(self._failure)]
             except BaseException as error:
-                self._exchange.pass_failed(error, f"the end of pass {state.index}", self._failure)
+                self._exchange.pass_failed(error, f"the end of pass {plan.index}", self._failure)
                 raise
         # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
         weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
@@ -340,11 +262,11 @@ class RoundPipe(nn.Module):
         for part in weighted[1:]:
             total = total + part
         total = self._on_caller_thread(lambda: self._exchange.global_loss(
-            total, f"the all-reduce of the loss of pass {state.index}"))
+            total, f"the all-reduce of the loss of pass {plan.index}"))
         if not deferred:
             return total
-        self._deferred.awaiting_backward(state.deferred)
-        return DeferredLoss.apply(self, self._deferred, state.deferred, torch.empty(0, requires_grad=True), total)
+        self._deferred.awaiting_backward(results.deferred)
+        return DeferredLoss.apply(self, self._deferred, results.deferred, torch.empty(0, requires_grad=True), total)
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
         """`values` summed over the data-parallel ranks (on one process, `values`), on the caller's thread; every
@@ -366,7 +288,7 @@ class RoundPipe(nn.Module):
         """Deferred passes from now on expect their loss's backward to bring gradient `scale`: exact whatever it
         brings, one host pass cheaper when it brings that ([Note: deferred gradient commit]). The integrations that
         drive a loop call this: its passes come through the model's forward, which takes no engine arguments."""
-        self._deferred.expected_scale = scale
+        self._deferred.expect_scale(scale)
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
@@ -378,16 +300,20 @@ class RoundPipe(nn.Module):
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
         training = self._modules["module"].training
-        state = PassState(self._new_pass_index(), Mode.FORWARD, training, [x[0].shape[0] for x in mb_inputs],
-                          saved, rng_stream=self._new_rng_stream(training))
-        state.input_dtypes = _floating_dtypes(inputs)
-        if not keep_for_backward:  # evaluation, prediction, generation: every step taken, and looking changes nothing
-            state.reads_newest = True
-            if self.optimizer is not None and self.optimizer.has_held_steps:
-                self._dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
-                self.optimizer.show_newest()
-        self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), state, mb_inputs)
-        pieces = [f.take(self._failure).host() for f in state.outputs]
+        # Evaluation, prediction, generation read the newest weights: every step taken, and looking changes nothing.
+        reads_newest = not keep_for_backward
+        if reads_newest and self.optimizer is not None and self.optimizer.has_held_steps:
+            self._dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
+            self.optimizer.show_newest()
+        plan = PassPlan(self._passes.new_pass_index(), Mode.FORWARD, training, tuple(x[0].shape[0] for x in mb_inputs),
+                        saved, keep_limit_bytes=self._plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
+                        reads_newest=reads_newest, adapter_setting=adapter_setting,
+                        rng_stream=self._passes.new_rng_stream(training))
+        results = PassResults(plan.index)
+        self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
+        pieces = [output.host() for output in results.take_outputs(self._failure)]
+        # Every task saved its inputs before its round's last output was set: the backward reads them, if it comes.
+        saved_inputs = results.hand_over_saved_inputs()
         outputs = []
         for k in range(len(pieces[0])):
             if pieces[0][k].dim() == 0:
@@ -395,29 +321,31 @@ class RoundPipe(nn.Module):
                                 "so use forward_backward(...) for a layer that returns the loss.")
             outputs.append(torch.cat([p[k] for p in pieces], dim=0))
         if keep_for_backward:
-            state.adapter_setting = adapter_setting  # its backward recomputes with it ([Note: adapter switches])
             epochs = [b.new_versions_reserved for b in self._store.buckets]
-            outputs = list(_PipelineBackward.apply(self, state, epochs, torch.empty(0, requires_grad=True), *outputs))
+            outputs = list(_PipelineBackward.apply(self, plan, saved_inputs, epochs,
+                                                   torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _backward_pass(self, state: PassState, epochs: list[int], grads: tuple) -> None:
+    def _backward_pass(self, forward: PassPlan, saved_inputs: dict, epochs: list[int], grads: tuple) -> None:
         self._failure.check()
         if any(b.new_versions_reserved != e for b, e in zip(self._store.buckets, epochs)):
             raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() ran in "
                                "between), so the recomputation would differ from the forward. Call backward before "
                                "stepping the optimizer.")
-        self._show_adapter_setting(state.adapter_setting)
-        rows = state.microbatch_rows
+        self._show_adapter_setting(forward.adapter_setting)  # it recomputes with its forward's setting
+        rows = list(forward.microbatch_rows)
         split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]
         mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
-        backward_state = PassState(state.index, Mode.BACKWARD, state.training, rows, state.saved_layers,
-                                   rng_stream=state.rng_stream)  # the recomputation replays the forward's draws
-        backward_state.saved = state.saved
-        jobs = self._dispatch.enqueue(self._schedule(len(rows), Mode.BACKWARD), backward_state, mb_grads)
+        # The recomputation replays the forward's draws (its RNG stream) from the inputs the forward saved.
+        plan = PassPlan(forward.index, Mode.BACKWARD, forward.training, forward.microbatch_rows,
+                        forward.saved_layers, input_dtypes=forward.input_dtypes, rng_stream=forward.rng_stream)
+        results = PassResults(plan.index, saved_inputs=saved_inputs)
+        jobs = self._dispatch.enqueue(self._schedule(len(rows), Mode.BACKWARD), plan, results, mb_grads)
         self._release_writebacks()
         for job in jobs:
             job.done.get(self._failure)
         self._failure.check()
+        self._dispatch.forget_finished()  # checks its results empty ([Note: a pass's plan and results])
 
     # ------------------------------------------------------------------ control
 
@@ -496,64 +424,35 @@ class RoundPipe(nn.Module):
         announce(f"trace written to {written} (open it in https://ui.perfetto.dev)", self.config.resolved_summary)
         return written
 
+    # ------------------------------------------------------------------ checkpoint state (engine_checkpoint.py)
+
     def engine_state(self) -> dict[str, int]:
         """What a checkpoint needs besides weights and optimizer state for an exact resume: the base seed and pass
-        count of the per-layer RNG streams (dropout masks) and where the round-robin dispatch stands."""
-        state = {"seed": self._seed, "num_passes": self._num_passes, "next_device": self._dispatch.next_device,
-                 "training_passes": self._training_passes, "evaluation_passes": self._evaluation_passes}
-        if self.optimizer is not None:
-            state["optimizer_steps"] = self.optimizer.steps_taken  # where an async warm-up stands
-        return state
+        counts of the per-layer RNG streams (dropout masks), where the round-robin dispatch stands and the
+        optimizer's step count."""
+        return engine_checkpoint.engine_state(self._passes, self._dispatch, self.optimizer)
 
     def load_engine_state(self, state: dict[str, int]) -> None:
         self.synchronize()
-        self._seed = int(state["seed"])
-        self._num_passes = int(state["num_passes"])
-        # A checkpoint from before passes were counted apart keyed the streams on every pass.
-        self._training_passes = int(state.get("training_passes", state["num_passes"]))
-        self._evaluation_passes = int(state.get("evaluation_passes", 0))
-        self._dispatch.next_device = int(state["next_device"]) % len(self.devices)
-        self._dispatch.reseed(self._seed)
-        if self.optimizer is not None and "optimizer_steps" in state:
-            self.optimizer.steps_taken = int(state["optimizer_steps"])
+        engine_checkpoint.load_engine_state(state, self._passes, self._dispatch, self.optimizer)
 
     def load_optimizer_copies(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load full-precision weights (named as in `named_parameters()`) into the optimizer copies, and the
         compute copies from them: unlike `load_state_dict`, nothing is rounded through the compute dtype."""
         self.synchronize()
-        if self.optimizer is not None:
-            self.optimizer.forget_stashes()
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if p.requires_grad and name in tensors:
-                    p.copy_(tensors[name])
-        for bucket in self._store.trainable_buckets:
-            bucket.versions.loaded_from_optim()
+        engine_checkpoint.load_optimizer_copies(tensors, self.named_parameters(), self._store, self.optimizer)
 
     def lagged_weights(self) -> dict[str, torch.Tensor]:
         """With the lagged step, after a look: the compute copies the next training pass computes with (one step
         older than `module`), by bucket index, for a checkpoint ([Note: looking changes nothing])."""
         self.synchronize()
-        return {str(b.index): b.stash.clone() for b in self._store.buckets if b.stash is not None}
+        return engine_checkpoint.lagged_weights(self._store)
 
     def load_lagged_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore `lagged_weights()` after the model and optimizer were loaded: the next training pass computes
         with them, as the run that saved them would have."""
         self.synchronize()
-        if self.optimizer is None:
-            raise RuntimeError("load the lagged weights after engine.wrap_optimizer(...): they belong to its "
-                               "held step.")
-        if not self.optimizer.async_step:
-            return  # resumed with the exact step: the next pass computes with the newest weights, already loaded
-        buckets = []
-        for key, tensor in tensors.items():
-            bucket = self._store.buckets[int(key)]
-            if tensor.shape != bucket.compute.shape:
-                raise ValueError(f"lagged weights of {bucket} have shape {tuple(tensor.shape)}, expected "
-                                 f"{tuple(bucket.compute.shape)}: the checkpoint is of another model.")
-            bucket.versions.restore_stash(tensor)
-            buckets.append(bucket)
-        self.optimizer.hold_shown(buckets)
+        engine_checkpoint.load_lagged_weights(tensors, self._store, self.optimizer)
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
@@ -569,19 +468,6 @@ class RoundPipe(nn.Module):
     def _schedule(self, num_mb: int, mode: Mode) -> list[Task]:
         return self._dispatch.schedule(self.partition, num_mb, mode)
 
-    def _new_pass_index(self) -> int:
-        self._num_passes += 1
-        return self._num_passes - 1
-
-    def _new_rng_stream(self, training: bool) -> int:
-        """The key of a pass's RNG streams: training passes count on their own, so an evaluation pass between them
-        changes no later dropout mask ([Note: RNG streams of passes] in runtime/device.py)."""
-        if training:
-            self._training_passes += 1
-            return self._training_passes - 1
-        self._evaluation_passes += 1
-        return -self._evaluation_passes
-
     def _before_pass(self) -> None:
         self._failure.check()
         self.drop_pending_gradients()
@@ -593,7 +479,7 @@ class RoundPipe(nn.Module):
                         "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
                         "optimizer also writes the compute copies the devices use.")
-        if self._dispatch.start_workers(self._seed):
+        if self._dispatch.start_workers(self._passes.seed):
             self._finalizer = weakref.finalize(self, self._background.abandon)
             announce(engine_summary(self), self.config.resolved_summary)
         self._dispatch.forget_finished()
@@ -655,14 +541,15 @@ class _PipelineBackward(torch.autograd.Function):
     """Attaches `model(...)` outputs to the backward pipeline."""
 
     @staticmethod
-    def forward(ctx, engine: RoundPipe, state: PassState, epochs: list[int], anchor: torch.Tensor,
-                *outputs: torch.Tensor):
-        ctx.engine, ctx.state, ctx.epochs = engine, state, epochs
+    def forward(ctx, engine: RoundPipe, plan: PassPlan, saved_inputs: dict, epochs: list[int],
+                anchor: torch.Tensor, *outputs: torch.Tensor):
+        ctx.engine, ctx.plan, ctx.saved_inputs, ctx.epochs = engine, plan, saved_inputs, epochs
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return tuple(o.view_as(o) for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._backward_pass(ctx.state, ctx.epochs, grads)
-        return (None, None, None, None) + (None,) * len(grads)
+        saved_inputs, ctx.saved_inputs = ctx.saved_inputs, None  # read once, by this backward
+        ctx.engine._backward_pass(ctx.plan, saved_inputs, ctx.epochs, grads)
+        return (None, None, None, None, None) + (None,) * len(grads)

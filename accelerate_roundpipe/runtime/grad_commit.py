@@ -91,8 +91,8 @@ class GradCommits:
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
             try:
                 faults.point("commit")
-                if job.state.deferred is not None:
-                    grad = route_commit(job.state.deferred, bucket, grad, window)
+                if job.results.deferred is not None:
+                    grad = route_commit(job.results.deferred, bucket, grad, window)
                 if grad is not None:
                     spare = bucket.commit(grad, square, window)
             except BaseException as error:

@@ -287,6 +287,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             if bucket not in self._held_writebacks:
                 self._held_writebacks.append(bucket)
 
+    def resume_steps(self, steps_taken: int) -> None:
+        """A checkpoint's step count (where an async warm-up stands), on the caller's thread after a synchronize."""
+        self.steps_taken = steps_taken
+
     def forget_stashes(self) -> None:
         """The compute copies were loaded from outside: the next pass reads them, not a stash."""
         for bucket in self._held_writebacks:

@@ -75,7 +75,7 @@ class ParamResidency:
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
         flats = self.device.empty_params([self.store.buckets[b].compute[slice(*windows[b])] for b in indices])
-        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.state.reads_newest)
+        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.plan.reads_newest)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]

@@ -15,6 +15,7 @@ of a step) keeps the module readable: it is a model after that many steps. Resum
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 from .host_store import Bucket, StepCount
@@ -55,8 +56,13 @@ class TornGuard:
         self.counts = [(b.layers, b.steps) for b in buckets if b.trainable]
         self.failure = failure
         # Writes the exact steps' optimizer copies into the compute copies once the optimizer thread is still (a
-        # `weakref.WeakMethod` of the engine's optimizer, set when it is wrapped).
+        # `weakref.WeakMethod` of the engine's optimizer; see `follow_optimizer`).
         self.write_back = None
+
+    def follow_optimizer(self, write_back_after_failure) -> None:
+        """The engine wrapped an optimizer: after a failure, its exact steps not yet written back are written with
+        `write_back_after_failure` (held weakly: the guard sits on the user's module and must not keep it alive)."""
+        self.write_back = weakref.WeakMethod(write_back_after_failure)
 
     def check(self) -> None:
         if self.failure.error is None:

@@ -22,7 +22,7 @@ from . import faults
 from .device import Device, Payload, stream_seed
 from .grad_commit import GradCommits
 from .host_store import HostStore
-from .jobs import TaskJob
+from .jobs import PassPlan, TaskJob
 from .layer_profile import LayerRun
 from .residency import ParamResidency, TaskParams
 from .sync import Aborted, FailureFlag, mark_engine_thread
@@ -63,7 +63,7 @@ def _input_grads(inputs: tuple) -> tuple:
 
 
 def _explain_oom(error: BaseException, job: TaskJob) -> BaseException:
-    rows = max(job.state.microbatch_rows) if job.state.microbatch_rows else 0
+    rows = max(job.plan.microbatch_rows) if job.plan.microbatch_rows else 0
     explained = torch.cuda.OutOfMemoryError(
         f"{error}\n[RoundPipe] task {job.task} ran out of GPU memory with micro-batches of up to {rows} rows. "
         f"Knobs, cheapest first: raise num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) for smaller micro-batches; "
@@ -80,7 +80,7 @@ def _explain_dtype(error: BaseException, job: TaskJob, store: HostStore) -> None
         return
     weights = {store.buckets[b].compute.dtype for b in store.buckets_of_layers(job.task.span.layers)}
     floating = {w for w in weights if w.is_floating_point}
-    inputs = set(job.state.input_dtypes)
+    inputs = set(job.plan.input_dtypes)
     if not floating or not inputs or inputs <= floating:
         return
     names = lambda dtypes: ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
@@ -91,7 +91,8 @@ def _explain_dtype(error: BaseException, job: TaskJob, store: HostStore) -> None
 
 class Worker:
     def __init__(self, device: Device, store: HostStore, failure: FailureFlag, recompute: str,
-                 base_seed: int, num_devices: int, trace: TraceRecorder | None = None) -> None:
+                 base_seed: int, num_devices: int, trace: TraceRecorder | None = None,
+                 schedules: dict[int, list[Task]] | None = None) -> None:
         self.device = device
         self.trace = trace
         device.trace = trace
@@ -104,7 +105,8 @@ class Worker:
         self.queue: queue.Queue[TaskJob | None] = queue.Queue()
         self._lookahead: collections.deque[TaskJob | None] = collections.deque()
         self.thread = threading.Thread(target=self._loop, name=f"roundpipe-{device}", daemon=True)
-        self.schedules: dict[int, list[Task]] = {}  # pass index -> schedule, for error reports
+        # pass index -> schedule, for error reports; the dispatcher's, which it keeps to the recent passes
+        self.schedules: dict[int, list[Task]] = schedules if schedules is not None else {}
         # end events of queued tasks ([Note: bounded run-ahead])
         self._task_ends: collections.deque = collections.deque()
         self._interpreters = {TaskKind.FORWARD: self._forward, TaskKind.FUSED: self._fused,
@@ -117,6 +119,15 @@ class Worker:
     def start(self) -> None:
         self.grad_commits.start()
         self.thread.start()
+
+    def submit(self, job: TaskJob) -> None:
+        """Queue `job` (on the caller's thread, in program order)."""
+        self.num_queued += 1
+        self.queue.put(job)
+
+    def reseed(self, seed: int) -> None:
+        """The base seed of the layers' RNG streams from the next task on (a checkpoint's, at a resume)."""
+        self.base_seed = seed
 
     def stop(self) -> None:
         self.queue.put(None)
@@ -155,10 +166,10 @@ class Worker:
                 if isinstance(error, torch.cuda.OutOfMemoryError):
                     error = _explain_oom(error, job)
                 _explain_dtype(error, job, self.residency.store)
-                where = f"worker {self.device} running task {job.task} of pass {job.state.index}"
+                where = f"worker {self.device} running task {job.task} of pass {job.plan.index}"
                 if self.failure.error is None and not isinstance(error, Aborted):  # Aborted: cancelled, not failed
                     logger.error("[%s] %s failed:\n%s", self.device, job.task,
-                                 format_schedule(self.schedules.get(job.state.index, []), self.num_devices,
+                                 format_schedule(self.schedules.get(job.plan.index, []), self.num_devices,
                                                  job.schedule_index))
                 self.failure.fail(error, where)
             finally:
@@ -179,13 +190,13 @@ class Worker:
                    args: tuple) -> tuple:
         self.residency.await_layer(params, layer_index)
         copy = self.residency.copy(layer_index)
-        copy.set_training(job.state.training)
+        copy.set_training(job.plan.training)
         before = copy.state()  # [Note: stateless layers]
-        profile = job.state.profile
+        profile = job.results.profile
         measure = _NO_PROFILE if profile is None else profile.measure(
             LayerRun.FORWARD_WITH_GRAPH if torch.is_grad_enabled() else LayerRun.FORWARD, layer_index, self.device,
             args)
-        with measure, self.device.rng(stream_seed(self.base_seed, job.state.rng_stream, layer_index, microbatch)):
+        with measure, self.device.rng(stream_seed(self.base_seed, job.plan.rng_stream, layer_index, microbatch)):
             out = copy.module(*args)
         copy.check_stateless(before)
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
@@ -232,17 +243,17 @@ class Worker:
     def _save_input(self, job: TaskJob, layer: int, mb: int, h: tuple) -> None:
         """Keep a layer input for the backward's recomputation: on this device when the backward runs here and
         memory allows, else on the host."""
-        keep = layer in job.keep_saved and self.device.can_keep(h, job.state.keep_limit_bytes)
-        job.state.saved[(layer, mb)] = self.device.send(h, keep_on_device=keep)
+        keep = layer in job.keep_saved and self.device.can_keep(h, job.plan.keep_limit_bytes)
+        job.results.save_input(layer, mb, self.device.send(h, keep_on_device=keep))
 
     def _forward(self, job: TaskJob) -> bool:
-        task, state = job.task, job.state
+        task, plan = job.task, job.plan
         params = self._params(job, with_grad=False)
         for j, mb in enumerate(range(*task.microbatches)):
             h = self.device.receive(job.inputs[j].take(self.failure))
             with torch.no_grad():
                 for layer in task.span.layers:
-                    if layer in state.saved_layers:
+                    if layer in plan.saved_layers:
                         self._save_input(job, layer, mb, h)
                     h = self._run_layer(job, params, layer, mb, h)
             job.outputs[j].set(self._send_next(job, h))
@@ -254,7 +265,7 @@ class Worker:
         """Back-propagate `grads` through `segments` ((layer, inputs, outputs), top layer first, each cut from the
         next at its inputs); with `commits` (the last micro-batch), start each bucket's gradient download as soon
         as the backward has passed the bucket's lowest layer. Returns the gradients of the lowest inputs."""
-        profile = job.state.profile
+        profile = job.results.profile
         for layer, inputs, outputs in segments:
             with profile.measure(LayerRun.BACKWARD, layer, self.device) if profile is not None else _NO_PROFILE:
                 _backward(outputs, grads)
@@ -277,7 +288,7 @@ class Worker:
         return segments, h
 
     def _fused(self, job: TaskJob) -> bool:
-        task, state = job.task, job.state
+        task, plan = job.task, job.plan
         params = self._params(job, with_grad=True)
         commits = self.grad_commits.schedule(job)
         mbs = range(*task.microbatches)
@@ -285,18 +296,18 @@ class Worker:
             inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
             with torch.enable_grad():
                 segments, h = self._forward_segments(job, params, task.span.layers, mb, inputs)
-                loss = self._loss(state, h, mb)
+                loss = self._loss(plan, h, mb)
                 # The loss goes to the caller before its backward runs: the caller then queues the next pass while
                 # the GPU still works on this one, so the next task's uploads start without a drained pipeline.
-                state.losses[mb].set(self.device.send((loss.detach(),), keep_on_device=False))
+                job.results.set_loss(mb, self.device.send((loss.detach(),), keep_on_device=False))
                 top = segments[0]
                 if loss.requires_grad:
-                    if state.loss_weights[mb] == 0:
+                    if plan.loss_weights[mb] == 0:
                         # Every label masked: its mean is NaN and its weight 0 ([Note: micro-batch loss weights]);
                         # the backward goes on from zero output gradients, so the gradients are exactly unchanged.
                         head = tuple(torch.zeros_like(o) if o.requires_grad else None for o in top[2])
                     else:
-                        weighted = loss * state.loss_weights[mb]
+                        weighted = loss * plan.loss_weights[mb]
                         segments[0] = (top[0], top[1], (weighted,))
                         head = (torch.ones_like(weighted),)
                     grads = self._backward_layers(job, params, segments, head,
@@ -307,25 +318,25 @@ class Worker:
         self.residency.release(params)
         return self.grad_commits.finish(job, params, commits)
 
-    def _loss(self, state, outputs: tuple, mb: int) -> torch.Tensor:
-        if state.loss_fn is None:
+    def _loss(self, plan: PassPlan, outputs: tuple, mb: int) -> torch.Tensor:
+        if plan.loss_fn is None:
             if len(outputs) != 1 or outputs[0].dim() != 0:
                 raise TypeError(f"without loss_fn the last layer must return the loss as a 0-dim tensor; it returned "
                                 f"shapes {[tuple(o.shape) for o in outputs]}. Pass loss_fn=... to forward_backward.")
             return outputs[0]
-        labels = state.labels[mb]
+        labels = plan.labels[mb]
         if labels is not None:
             labels = self.device.receive(Payload(labels))
             labels = labels[0] if len(labels) == 1 else labels
         preds = outputs[0] if len(outputs) == 1 else outputs
-        loss = state.loss_fn(preds, labels) if labels is not None else state.loss_fn(preds)
+        loss = plan.loss_fn(preds, labels) if labels is not None else plan.loss_fn(preds)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise TypeError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
                             f"{tuple(getattr(loss, 'shape', ()))}.")
         return loss
 
     def _backward_task(self, job: TaskJob) -> bool:
-        task, state = job.task, job.state
+        task = job.task
         params = self._params(job, with_grad=True)
         commits = self.grad_commits.schedule(job)
         needs_input_grad = task.span.start > 0
@@ -338,7 +349,7 @@ class Worker:
                     segments = (self._recompute_layer(job, params, layer, mb, needs_input_grad)
                                 for layer in reversed(task.span.layers))
                 else:
-                    inputs = _as_leaves(self.device.receive(state.saved.pop((task.span.start, mb))),
+                    inputs = _as_leaves(self.device.receive(job.results.take_saved_input(task.span.start, mb)),
                                         needs_input_grad)
                     segments, _ = self._forward_segments(job, params, task.span.layers, mb, inputs)
                 grads = self._backward_layers(job, params, segments, grads, last)
@@ -348,6 +359,6 @@ class Worker:
 
     def _recompute_layer(self, job: TaskJob, params: TaskParams, layer: int, mb: int,
                          needs_input_grad: bool) -> tuple[int, tuple, tuple]:
-        saved = self.device.receive(job.state.saved.pop((layer, mb)))
+        saved = self.device.receive(job.results.take_saved_input(layer, mb))
         inputs = _as_leaves(saved, needs_input_grad or layer > job.task.span.start)
         return layer, inputs, self._run_layer(job, params, layer, mb, inputs)
