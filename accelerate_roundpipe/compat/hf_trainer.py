@@ -137,14 +137,19 @@ def compute_loss_process_factor(average_tokens_across_devices: bool, counts_item
     normalised by the global token count ([Note: data-parallel loss scaling]): `num_processes // tp_size` (`n_gpu`
     with several GPUs per process) when `average_tokens_across_devices`, the model counts items
     (`counts_items`: `model_accepts_loss_kwargs or compute_loss_func`) and a count was given; else 1. Mirrored
-    (transformers 5.24) so RoundPipe can take it off the engine's fused loss; checked: `compute_loss` still reads
-    each of these."""
+    (transformers 5.24 and 5.17) so RoundPipe can take it off the engine's fused loss; checked: `compute_loss`
+    still reads each of these."""
     from transformers import Trainer
 
     reach = "the num_processes factor of Trainer.compute_loss (taken off RoundPipe's fused loss)"
     for name in ("average_tokens_across_devices", "model_accepts_loss_kwargs", "compute_loss_func",
-                 "num_processes", "get_tp_size", "n_gpu"):
+                 "num_processes", "n_gpu"):
         require_mention(Trainer.compute_loss, name, LIBRARY, reach)
+    # The tensor-parallel divisor: `get_tp_size()` in 5.24, `parallelism_config.tp_size` in 5.17 (the GPU
+    # machine's); 1 under RoundPipe either way (it refuses parallelism configs).
+    if not (mentions(Trainer.compute_loss, "get_tp_size") or mentions(Trainer.compute_loss, "tp_size")):
+        raise LibraryChangedError(LIBRARY, reach, "Trainer.compute_loss no longer divides by the tensor-parallel "
+                                                  "size (`get_tp_size` or `tp_size`)")
     if not (average_tokens_across_devices and counts_items and num_items_in_batch is not None):
         return 1
     return num_processes // tp_size if n_gpu <= 1 else n_gpu
