@@ -181,29 +181,31 @@ def test_trainer_loss_scaling_paths(assets, tmp_path, extra):
     assert_same_weights(two, one)
 
 
+def _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by: int) -> None:
+    """A Trainer checkpoint written by `written_by` processes, resumed by the other count, ends as the uninterrupted
+    run of that count does."""
+    one, two = trainer_runs
+    source, target, launch, batch = ((two, one, one_process, GLOBAL_BATCH) if written_by == WORLD else
+                                     (one, two, two_processes, GLOBAL_BATCH // WORLD))
+    resumed = str(tmp_path / "resumed")
+    checkpoint = os.path.join(source, f"checkpoint-{SAVE_AT}")
+    launch(TRAINER_SCRIPT, trainer_run_args(assets, resumed, batch, "--resume_from_checkpoint", checkpoint),
+           str(tmp_path))
+    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
+    assert_close_lists(after, [e["loss"] for e in trainer_log(target) if e["step"] > SAVE_AT],
+                       f"resumed from a checkpoint of {written_by} process(es)")
+    assert_same_weights(resumed, target)
+
+
 def test_trainer_resumes_a_two_process_checkpoint_on_one_process(assets, trainer_runs, tmp_path):
     # [Note: shards of another world size]: the two ranks' optimizer shards join into the one-process state, so the
     # resumed run ends as the uninterrupted one-process run (a fresh AdamW state would not).
-    one, two = trainer_runs
-    resumed = str(tmp_path / "resumed")
-    checkpoint = os.path.join(two, f"checkpoint-{SAVE_AT}")
-    one_process(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH, "--resume_from_checkpoint",
-                                                 checkpoint), str(tmp_path))
-    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
-    assert_close_lists(after, [e["loss"] for e in trainer_log(one) if e["step"] > SAVE_AT], "resumed on one process")
-    assert_same_weights(resumed, one)
+    _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by=WORLD)
 
 
 def test_trainer_resumes_a_one_process_checkpoint_on_two_processes(assets, trainer_runs, tmp_path):
     # The reverse: each rank cuts its range from the one-process optimizer state.
-    one, two = trainer_runs
-    resumed = str(tmp_path / "resumed")
-    checkpoint = os.path.join(one, f"checkpoint-{SAVE_AT}")
-    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH // WORLD, "--resume_from_checkpoint",
-                                                   checkpoint), str(tmp_path))
-    after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
-    assert_close_lists(after, [e["loss"] for e in trainer_log(two) if e["step"] > SAVE_AT], "resumed on two processes")
-    assert_same_weights(resumed, two)
+    _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by=1)
 
 
 def test_accelerate_loop_resumes_a_two_process_state_on_one_process(assets, loop_runs, tmp_path):
