@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.device import stream_seed
+from accelerate_roundpipe.runtime.rng_streams import stream_seed
 
 from toy_models import assert_close, batch, reference_loss_and_grads, run_layers, tied_model
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine as engine_module
+from accelerate_roundpipe.runtime import engine_parts
 from accelerate_roundpipe.runtime.gradient_exchange import NoExchange
 from accelerate_roundpipe.runtime.whole_buckets import WholeBuckets
 
@@ -60,7 +60,7 @@ def test_one_process_has_no_exchange_and_sums_to_its_own_values():
 
 def test_the_engine_reaches_other_processes_through_its_exchange_only(monkeypatch):
     exchange = RecordingExchange()
-    monkeypatch.setattr(engine_module, "gradient_exchange", lambda setting, timeout_s: exchange)
+    monkeypatch.setattr(engine_parts, "gradient_exchange", lambda setting, timeout_s: exchange)
     engine = _engine()
     optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
     engine.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 3), loss_fn=nn.functional.mse_loss)

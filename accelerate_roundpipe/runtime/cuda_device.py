@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .device import NO_SPAN, Device
+from .device import Device
+from .payload import NO_SPAN
 
 # Workers on the same device (two workers given the same GPU) share that device's generator; seeding it for a layer
 # and launching the layer must not interleave with another worker doing the same.

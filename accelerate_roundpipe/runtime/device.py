@@ -13,13 +13,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
-import time
 import warnings
 from collections.abc import Iterator
 
 import torch
 
 from . import faults
+from .payload import NO_SPAN, Payload, WallTimer
 
 UPLOAD_CAST_CHUNK = 1 << 25  # elements a host->device copy with a cast stages at a time (128 MiB of float32)
 GRAD_DOWNLOAD_SLICE = 32 * 2**20  # elements per gradient copy: bounds the device-side dtype conversion's buffer
@@ -47,23 +47,6 @@ def use_expandable_segments() -> bool:
     return True
 
 
-def stream_seed(base_seed: int, pass_index: int, layer_index: int, microbatch_index: int) -> int:
-    """The RNG seed of one layer on one micro-batch of one pass: the forward and its recomputation draw the same
-    masks whatever device or thread runs them.
-
-    [Note: RNG streams of passes]
-    `pass_index` is the pass's `rng_stream`, not its pass number: training passes (the module in training mode)
-    count 0, 1, 2, ... on their own and evaluation passes count -1, -2, ... apart, so an evaluation forward between
-    training steps changes no later dropout mask, as in plain PyTorch, where an eval-mode forward draws nothing.
-    A training-mode forward without gradients (generation in training mode) counts as a training pass: in plain
-    PyTorch its draws move the generator too. Both counts are in `engine_state()`, so a resume draws on exactly.
-    """
-    value = base_seed & 0xFFFFFFFFFFFF
-    for part in (pass_index, layer_index, microbatch_index):
-        value = (value * 1_000_003 + part + 1) % (2**61 - 1)
-    return value
-
-
 def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[Note: device norms]
     The squared L2 norm of a bucket's gradient, computed on the device that produced it (a read of the gradient
@@ -79,47 +62,6 @@ def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         part = torch.linalg.vector_norm(flat[start:start + GRAD_DOWNLOAD_SLICE], dtype=dtype).square()
         total = part if total is None else total + part
     return total if total is not None else torch.zeros((), dtype=dtype, device=flat.device)
-
-
-def _nothing() -> None:
-    pass
-
-
-NO_SPAN = (_nothing, _nothing)  # the (begin, finish) of a span that is not recorded
-
-
-class Payload:
-    """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
-    worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
-
-    __slots__ = ("tensors", "event", "worker_index")
-
-    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None) -> None:
-        self.tensors = tensors
-        self.event = event
-        self.worker_index = worker_index
-
-    def host(self) -> tuple:
-        """The tensors, once readable by the CPU."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        return self.tensors
-
-
-class WallTimer:
-    """Times a layer run on the host clock (a device whose work is done when the call returns)."""
-
-    __slots__ = ("start", "seconds")
-
-    def __init__(self) -> None:
-        self.start, self.seconds = time.perf_counter(), None
-
-    def stop(self) -> None:
-        self.seconds = time.perf_counter() - self.start
-
-    def elapsed_s(self) -> float:
-        return self.seconds
 
 
 cpu_device_class: type | None = None  # the class CPU workers get; None: `CpuDevice` (tests swap in the stream model)

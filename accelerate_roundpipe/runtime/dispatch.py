@@ -14,10 +14,11 @@ from ..plan.partition import Partition
 from ..plan.schedule import Mode, Task, TaskKind, build_schedule
 from ..telemetry.trace import TraceRecorder
 from . import faults
-from .device import Device, Payload
+from .device import Device
 from .host_store import HostStore
 from .jobs import PassPlan, PassResults, TaskJob
 from .measured_plan import MeasuredPlan
+from .payload import Payload
 from .sync import FailureFlag, Future
 from .worker import Worker
 

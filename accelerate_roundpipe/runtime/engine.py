@@ -17,32 +17,26 @@ from torch import nn
 
 from ..config import RoundPipeConfig
 from ..plan.layer_costs import LayerCosts
-from ..plan.partition import Partition, plan_partition
+from ..plan.partition import Partition
 from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
-from ..telemetry.trace import TraceRecorder, maybe_span, save_when_freed
+from ..telemetry.trace import maybe_span, save_when_freed
 from . import engine_checkpoint
-from .adapter_switches import AdapterSwitches
-from .deferred import DeferredCommit, DeferredLoss, DeferredPasses
-from .device import Device, use_expandable_segments
-from .dispatch import Dispatcher
-from .engine_checkpoint import PassCounts
-from .engine_threads import EngineThreads
+from .deferred import DeferredCommit, DeferredLoss
+from .engine_parts import build_engine_parts
 from .gloo_exchange import DataParallelGroup
-from .gradient_exchange import gradient_exchange
+from .host_resident import HostResidentModule
 from .host_store import HostStore
-from .jobs import PassPlan, PassResults
-from .measured_plan import MeasuredPlan
-from .microbatches import MicrobatchPolicy, loss_count_totals, loss_shares, split_rows, tensor_tuple
+from .microbatches import concatenated_outputs, loss_count_totals, loss_shares, split_rows, tensor_tuple, weighted_loss
 from .optimizer import RoundPipeOptimizer
-from .sync import EngineClosedError, FailureFlag
-from .torn import TornGuard
+from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
+from .sync import EngineClosedError
 
 logger = logging.getLogger(__name__)
 
 
-class RoundPipe(nn.Module):
+class RoundPipe(HostResidentModule):
     """Runs an `nn.Sequential` with RoundPipe: weights, gradients and optimizer state on the host, devices as a
     stateless worker pool, forward and backward stages dispatched round-robin.
 
@@ -70,64 +64,20 @@ class RoundPipe(nn.Module):
         self.module = module  # registered as a submodule; read through the `module` property
         # The layers share their parameters with `module`; kept unregistered so parameters are not listed twice.
         object.__setattr__(self, "layers", pipeline)
-        self.devices = [Device(d, i) for i, d in enumerate(self.config.resolved_devices())]
-        uses_cuda = any(d.is_cuda for d in self.devices)
-        if uses_cuda and use_expandable_segments():
-            logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "
-                        "to choose the allocator settings yourself).")
-        pin = self.config.pin_memory if self.config.pin_memory is not None else uses_cuda
-        if pin and not torch.cuda.is_available():
-            raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
-                             "and this machine has none. Set pin_memory=False (ROUNDPIPE_PIN_MEMORY=0) or leave it "
-                             "unset.")
-        names = {}
-        for name, p in module.named_parameters():
-            names.setdefault(id(p), name)
-        exact_steps = not self.config.resolved_async_optimizer or bool(self.config.async_warmup_steps)
-        # One process, or one rank of a data-parallel group over torch.distributed ([Note: gradient exchange]).
-        self._exchange = gradient_exchange(self.config.data_parallel, self.config.resolved_wait_timeout_s)
-        self.data_parallel: DataParallelGroup | None = self._exchange.group  # [Note: data parallel]
-        self._store = HostStore(list(pipeline), self.config.param_dtype, self.config.optimizer_dtype, pin, names,
-                                pin_optimizer_copies=exact_steps,
-                                pad_multiple=self._exchange.pad_multiple)
-        self._exchange.check_same("the engine settings", self._settings_every_rank_shares())
-        self._exchange.broadcast_weights(self._store)
-        self.partition: Partition = plan_partition(len(pipeline), forward_stages=self.config.forward_stages,
-                                                   backward_stages=self.config.backward_stages)
-        self._failure = FailureFlag(self.config.resolved_wait_timeout_s)
-        # The RNG streams' base seed and keys ([Note: RNG streams of passes]); saved with a checkpoint.
-        self._passes = PassCounts(self.config.seed if self.config.seed is not None else torch.initial_seed())
-        dp = self.data_parallel  # one trace file per rank ([Note: one trace per rank])
-        self.trace = TraceRecorder(self.config.trace_path, dp.rank if dp else None, self._exchange.world_size) \
-            if self.config.trace_path else None
+        parts = build_engine_parts(module, pipeline, self.config, allow_short_batches)
+        self.devices, self._exchange, self._store = parts.devices, parts.exchange, parts.store
+        self.data_parallel: DataParallelGroup | None = parts.exchange.group  # [Note: data parallel]
+        self._failure, self._passes, self.trace = parts.failure, parts.passes, parts.trace
+        self._plan, self._microbatches, self._dispatch = parts.plan, parts.microbatches, parts.dispatch
+        self._deferred, self._background = parts.deferred, parts.threads
+        self._torn, self._launch = parts.torn, parts.launch
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
-        self._plan = MeasuredPlan(self.config, self.devices, self._store)  # [Note: measured plan]
-        # `allow_short_batches`: see [Note: short batches].
-        self._microbatches = MicrobatchPolicy(self.config, len(self.devices), self._plan, allow_short_batches)
-        self._dispatch = Dispatcher(self.config, self.devices, self._store, self._failure, self._plan, self.trace)
-        self._deferred = DeferredPasses(self._store, self._failure)
-        self._background = EngineThreads(self._dispatch, self._deferred, self._failure, self._exchange)
-        # Run at exit ([Note: clean exit under data parallelism]) or when dropped.
-        self._exchange.bind(self._failure, self._background.finish_collectives)
-        # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
-        self._torn = TornGuard(self._store.buckets, self._failure)
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
-        self._adapters = AdapterSwitches(list(pipeline), self._is_trainable)  # [Note: adapter switches]
         self._finalizer: weakref.finalize | None = None  # stops the threads (started on first use)
         self.counters = EngineCounters()
         # Lines the integrations add to the start summary (e.g. "clipping"), which the engine cannot know itself.
         self.summary_notes: dict[str, str] = {}
-
-    def _settings_every_rank_shares(self) -> dict[str, Any]:
-        config = self.config
-        return {"number of devices": len(self.devices), "num_microbatches": config.num_microbatches,
-                "microbatches_per_round": config.microbatches_per_round,
-                "async_optimizer": config.resolved_async_optimizer, "async_warmup_steps": config.async_warmup_steps,
-                "param_dtype": str(config.param_dtype), "optimizer_dtype": str(config.optimizer_dtype),
-                "number of layers": len(self.layers),
-                "buckets (layers, trainable, elements, dtype)": [[list(b.layers), b.trainable, b.compute.numel(),
-                                                                  str(b.compute.dtype)] for b in self._store.buckets]}
 
     # ------------------------------------------------------------------ parameters
 
@@ -150,10 +100,6 @@ class RoundPipe(nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
-
-    def _is_trainable(self, param: nn.Parameter) -> bool:
-        """Whether the host store keeps an optimizer copy (and gradients) for the user's `param`."""
-        return self._store.buckets[self._store.bucket_of[id(param)][0]].trainable
 
     @property
     def layer_costs(self) -> LayerCosts | None:
@@ -221,7 +167,7 @@ class RoundPipe(nn.Module):
         counted_labels = ignore_index if loss_fn is not None else None
         try:
             self._before_pass()
-            self._follow_adapter_switches(training=True)
+            self._launch.follow_adapter_switches(training=True)
             inputs = tensor_tuple(inputs, "forward_backward inputs")
             rows, num_mb, mb_inputs = self._microbatches.split(inputs)
             mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
@@ -238,29 +184,20 @@ class RoundPipe(nn.Module):
         scale = self._deferred.expected_scale if deferred else grad_scale
         if deferred and scale == 0:
             raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
-        training = self._modules["module"].training
-        plan = PassPlan(self._passes.new_pass_index(), Mode.TRAIN, training, tuple(mb_rows),
-                        self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
-                        labels=tuple(mb_labels), loss_fn=loss_fn, loss_weights=tuple(s * scale for s in shares),
-                        keep_limit_bytes=self._plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
-                        rng_stream=self._passes.new_rng_stream(training))
-        results = PassResults(plan.index, num_losses=num_mb, deferred=DeferredCommit(scale) if deferred else None,
-                              profile=self._plan.profile_for_pass(len(self.layers)))
-        jobs = self._dispatch.enqueue(self._schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
+        plan, results = self._launch.training_pass(
+            self._modules["module"].training, mb_rows, inputs, mb_labels, loss_fn, [s * scale for s in shares],
+            DeferredCommit(scale) if deferred else None, len(self.layers))
+        jobs = self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
         if results.profile is not None:
             self._plan.measured(results.profile, jobs, num_mb, rows)
-        self._release_writebacks()
+        self._launch.release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):
             try:
                 losses = [loss.host()[0] for loss in results.take_losses(self._failure)]
             except BaseException as error:
                 self._exchange.pass_failed(error, f"the end of pass {plan.index}", self._failure)
                 raise
-        # A micro-batch of weight 0 (every label masked) has a NaN mean of its own; it adds nothing.
-        weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
-        total = weighted[0] if weighted else losses[0].new_zeros(())
-        for part in weighted[1:]:
-            total = total + part
+        total = weighted_loss(losses, shares)
         total = self._on_caller_thread(lambda: self._exchange.global_loss(
             total, f"the all-reduce of the loss of pass {plan.index}"))
         if not deferred:
@@ -296,56 +233,18 @@ class RoundPipe(nn.Module):
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
-        adapter_setting = self._follow_adapter_switches(training=keep_for_backward)
-        saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
-            if keep_for_backward else frozenset()
-        training = self._modules["module"].training
-        # Evaluation, prediction, generation read the newest weights: every step taken, and looking changes nothing.
-        reads_newest = not keep_for_backward
-        if reads_newest and self.optimizer is not None and self.optimizer.has_held_steps:
-            self._dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
-            self.optimizer.show_newest()
-        plan = PassPlan(self._passes.new_pass_index(), Mode.FORWARD, training, tuple(x[0].shape[0] for x in mb_inputs),
-                        saved, keep_limit_bytes=self._plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
-                        reads_newest=reads_newest, adapter_setting=adapter_setting,
-                        rng_stream=self._passes.new_rng_stream(training))
-        results = PassResults(plan.index)
-        self._dispatch.enqueue(self._schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
+        adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
+        plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
+                                                  keep_for_backward, adapter_setting)
+        self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
         pieces = [output.host() for output in results.take_outputs(self._failure)]
         # Every task saved its inputs before its round's last output was set: the backward reads them, if it comes.
         saved_inputs = results.hand_over_saved_inputs()
-        outputs = []
-        for k in range(len(pieces[0])):
-            if pieces[0][k].dim() == 0:
-                raise TypeError("the last layer returned a 0-dim tensor; model(...) concatenates outputs along dim 0, "
-                                "so use forward_backward(...) for a layer that returns the loss.")
-            outputs.append(torch.cat([p[k] for p in pieces], dim=0))
+        outputs = concatenated_outputs(pieces)
         if keep_for_backward:
-            epochs = [b.new_versions_reserved for b in self._store.buckets]
-            outputs = list(_PipelineBackward.apply(self, plan, saved_inputs, epochs,
+            outputs = list(_PipelineBackward.apply(self._launch, plan, saved_inputs, self._launch.weight_epochs(),
                                                    torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-    def _backward_pass(self, forward: PassPlan, saved_inputs: dict, epochs: list[int], grads: tuple) -> None:
-        self._failure.check()
-        if any(b.new_versions_reserved != e for b, e in zip(self._store.buckets, epochs)):
-            raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() ran in "
-                               "between), so the recomputation would differ from the forward. Call backward before "
-                               "stepping the optimizer.")
-        self._show_adapter_setting(forward.adapter_setting)  # it recomputes with its forward's setting
-        rows = list(forward.microbatch_rows)
-        split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]
-        mb_grads = [tuple(s[m] for s in split) for m in range(len(rows))]
-        # The recomputation replays the forward's draws (its RNG stream) from the inputs the forward saved.
-        plan = PassPlan(forward.index, Mode.BACKWARD, forward.training, forward.microbatch_rows,
-                        forward.saved_layers, input_dtypes=forward.input_dtypes, rng_stream=forward.rng_stream)
-        results = PassResults(plan.index, saved_inputs=saved_inputs)
-        jobs = self._dispatch.enqueue(self._schedule(len(rows), Mode.BACKWARD), plan, results, mb_grads)
-        self._release_writebacks()
-        for job in jobs:
-            job.done.get(self._failure)
-        self._failure.check()
-        self._dispatch.forget_finished()  # checks its results empty ([Note: a pass's plan and results])
 
     # ------------------------------------------------------------------ control
 
@@ -456,7 +355,7 @@ class RoundPipe(nn.Module):
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
-        return self._schedule(num_microbatches, Mode(mode))
+        return self._launch.schedule(num_microbatches, Mode(mode))
 
     def num_microbatches_for(self, rows: int) -> int:
         """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
@@ -465,40 +364,15 @@ class RoundPipe(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
-    def _schedule(self, num_mb: int, mode: Mode) -> list[Task]:
-        return self._dispatch.schedule(self.partition, num_mb, mode)
+    @property
+    def partition(self) -> Partition:
+        """The layers' forward and backward stages the next pass runs ([Note: measured plan])."""
+        return self._launch.partition
 
     def _before_pass(self) -> None:
-        self._failure.check()
-        self.drop_pending_gradients()
-        self.partition = self._plan.replan(self.partition, self._failure)
-        if self.optimizer is None:
-            for bucket in self._store.trainable_buckets:
-                if bucket.versions.changed_outside():
-                    raise RuntimeError(
-                        "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
-                        "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
-                        "optimizer also writes the compute copies the devices use.")
-        if self._dispatch.start_workers(self._passes.seed):
-            self._finalizer = weakref.finalize(self, self._background.abandon)
+        if self._launch.before_pass():
+            self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
             announce(engine_summary(self), self.config.resolved_summary)
-        self._dispatch.forget_finished()
-
-    def _follow_adapter_switches(self, training: bool) -> tuple:
-        """[Note: adapter switches]: PEFT's switches set on the user's layers reach the devices' copies; returns the
-        setting the pass runs with."""
-        setting = self._adapters.check(training)
-        self._show_adapter_setting(setting)
-        return setting
-
-    def _show_adapter_setting(self, setting: tuple) -> None:
-        if self._adapters.needs(setting):
-            self._dispatch.wait_inflight()  # the passes in flight run with the copies' old setting
-            self._adapters.show(setting, self._dispatch.layer_copies())
-
-    def _release_writebacks(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.release_writebacks()
 
     # ------------------------------------------------------------------ nn.Module behaviour
 
@@ -513,43 +387,5 @@ class RoundPipe(nn.Module):
             raise ValueError("load_state_dict(assign=True) would detach the module from the host store; use "
                              "assign=False.")
         self.synchronize()
-        if self.optimizer is not None:
-            self.optimizer.forget_stashes()
-        result = self.module.load_state_dict(state_dict, strict=strict)
-        for bucket in self._store.trainable_buckets:
-            bucket.versions.loaded_from_compute()
-        return result
-
-    def to(self, *args, **kwargs):
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is None and (device is None or torch.device(device).type == "cpu"):
-            return self
-        raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: do not call .to()/"
-                           ".cuda() on it. Choose devices with RoundPipeConfig(devices=[...]) (env ROUNDPIPE_DEVICES) "
-                           "and dtypes with param_dtype / optimizer_dtype.")
-
-    def _apply(self, fn, recurse: bool = True):
-        raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: .cuda()/.half()/"
-                           ".float() are not supported; use RoundPipeConfig(devices=..., param_dtype=...).")
-
-
-def _floating_dtypes(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.dtype, ...]:
-    return tuple({t.dtype for t in tensors if t.is_floating_point()})
-
-
-class _PipelineBackward(torch.autograd.Function):
-    """Attaches `model(...)` outputs to the backward pipeline."""
-
-    @staticmethod
-    def forward(ctx, engine: RoundPipe, plan: PassPlan, saved_inputs: dict, epochs: list[int],
-                anchor: torch.Tensor, *outputs: torch.Tensor):
-        ctx.engine, ctx.plan, ctx.saved_inputs, ctx.epochs = engine, plan, saved_inputs, epochs
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        saved_inputs, ctx.saved_inputs = ctx.saved_inputs, None  # read once, by this backward
-        ctx.engine._backward_pass(ctx.plan, saved_inputs, ctx.epochs, grads)
-        return (None, None, None, None, None) + (None,) * len(grads)
+        with engine_checkpoint.loading_compute_copies(self._store, self.optimizer):
+            return self.module.load_state_dict(state_dict, strict=strict)

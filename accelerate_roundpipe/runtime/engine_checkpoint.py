@@ -6,6 +6,7 @@ public methods (`engine_state`, `load_engine_state`, `load_optimizer_copies`, `l
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -17,7 +18,7 @@ from .optimizer import RoundPipeOptimizer
 
 
 class PassCounts:
-    """The base seed and the pass counts of [Note: RNG streams of passes] (runtime/device.py): owned by the engine,
+    """The base seed and the pass counts of [Note: RNG streams of passes] (runtime/rng_streams.py): owned by the engine,
     counted on the caller's thread, saved and loaded with a checkpoint."""
 
     def __init__(self, seed: int) -> None:
@@ -78,6 +79,17 @@ def load_optimizer_copies(tensors: dict[str, torch.Tensor], named_parameters: It
                 p.copy_(tensors[name])
     for bucket in store.trainable_buckets:
         bucket.versions.loaded_from_optim()
+
+
+@contextlib.contextmanager
+def loading_compute_copies(store: HostStore, optimizer: RoundPipeOptimizer | None) -> Iterator[None]:
+    """Around a load into the compute copies (`load_state_dict`): the optimizer copies follow them, and no stash of a
+    held step outlives the weights it was of."""
+    if optimizer is not None:
+        optimizer.forget_stashes()
+    yield
+    for bucket in store.trainable_buckets:
+        bucket.versions.loaded_from_compute()
 
 
 def lagged_weights(store: HostStore) -> dict[str, torch.Tensor]:

@@ -62,7 +62,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -70,7 +69,9 @@ from typing import Any
 
 import torch
 
+from .collective_streams import CollectiveStreams, join_at_exit
 from .host_store import HostStore
+from .rank_settings import differences
 from .sync import POLL_S, FailureFlag
 
 logger = logging.getLogger(__name__)
@@ -78,50 +79,9 @@ COLLECTIVE_STREAMS = 8  # gloo groups the optimizer thread's large collectives a
 MIN_STREAM_ELEMENTS = 1 << 20  # per rank and chunk: below it a bucket goes as one collective
 
 
-class _Streams:
-    """Daemon threads, one per extra gloo group, that run the chunks of one collective at once; a chunk stuck on a
-    failed peer is left to gloo's timeout (the threads are daemons: they never hold the process up), but the
-    process waits for it at exit ([Note: clean exit under data parallelism])."""
-
-    def __init__(self, count: int) -> None:
-        import queue
-
-        self._queues = [queue.SimpleQueue() for _ in range(count)]
-        self._threads = [threading.Thread(target=self._serve, args=(jobs,), name=f"roundpipe-collective-stream-{i}",
-                                          daemon=True) for i, jobs in enumerate(self._queues)]
-        for thread in self._threads:
-            thread.start()
-
-    @staticmethod
-    def _serve(jobs) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            job()
-            del job  # an idle stream holds no tensor ([Note: clean exit under data parallelism])
-
-    def start(self, chunks: list[Callable[[], Any]]) -> CollectiveHandle:
-        """Start `chunks[k]` on stream k, all at once (each stream runs what it gets in order)."""
-        handle = CollectiveHandle(len(chunks))
-        for k, chunk in enumerate(chunks):
-            self._queues[k].put(handle.job(chunk))
-        return handle
-
-    def stop(self) -> None:
-        for jobs in self._queues:
-            jobs.put(None)
-
-    def join(self, timeout_s: float) -> bool:
-        """After `stop()`: wait (at most `timeout_s` in all) until every stream thread ended; whether all did."""
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
-
-
 _LIVE_GROUPS: weakref.WeakSet[DataParallelGroup] = weakref.WeakSet()
-_STOPPED_STREAMS: dict[_Streams, float] = {}  # of failed or dropped engines, with their timeout; joined at exit
+# The streams of failed or dropped engines, with their timeout; joined at exit.
+_STOPPED_STREAMS: dict[CollectiveStreams, float] = {}
 
 
 def _end_groups_at_exit() -> None:
@@ -142,39 +102,10 @@ def _end_groups_at_exit() -> None:
     for group in list(_LIVE_GROUPS):
         group.end_at_exit()
     for streams, timeout_s in list(_STOPPED_STREAMS.items()):
-        _join_at_exit(streams, timeout_s)
-
-
-def _join_at_exit(streams: _Streams, timeout_s: float) -> None:
-    if not streams.join(timeout_s + 5.0):
-        logger.warning("RoundPipe: a data-parallel collective was still waiting on a peer %.0f s after exit began; "
-                       "exiting anyway.", timeout_s + 5.0)
+        join_at_exit(streams, timeout_s)
 
 
 atexit.register(_end_groups_at_exit)
-
-
-class CollectiveHandle:
-    """One collective running on the streams: finished once every chunk ended; `error` the first one raised."""
-
-    def __init__(self, num_chunks: int) -> None:
-        self._left = num_chunks
-        self._lock = threading.Lock()
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
-
-    def job(self, chunk: Callable[[], Any]) -> Callable[[], None]:
-        def run_chunk() -> None:
-            try:
-                chunk()
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                self.error = self.error or error
-            finally:
-                with self._lock:
-                    self._left -= 1
-                    if self._left == 0:
-                        self.finished.set()
-        return run_chunk
 
 
 def chunk_bounds(per_rank: int, streams: int = COLLECTIVE_STREAMS,
@@ -189,56 +120,6 @@ def chunk_bounds(per_rank: int, streams: int = COLLECTIVE_STREAMS,
 
 class DataParallelError(RuntimeError):
     """A collective across the data-parallel ranks failed, a peer rank failed, or the ranks' settings differ."""
-
-
-def process_group_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def wants_data_parallel(setting: bool | None) -> bool:
-    """Whether an engine built now runs data-parallel (`data_parallel`, env ROUNDPIPE_DATA_PARALLEL)."""
-    import torch.distributed as dist
-
-    ready = process_group_ready()
-    world = dist.get_world_size() if ready else 1
-    if setting is None:
-        return world > 1
-    if setting is False:
-        if world > 1:
-            raise ValueError(f"data_parallel=False (env ROUNDPIPE_DATA_PARALLEL) but this run has {world} processes "
-                             f"in its torch.distributed process group. Set data_parallel=True (or leave it unset) to "
-                             f"train data-parallel, or launch one process.")
-        return False
-    if not ready:
-        raise ValueError("data_parallel=True (env ROUNDPIPE_DATA_PARALLEL) needs an initialized torch.distributed "
-                         "process group: call torch.distributed.init_process_group(...) (e.g. under torchrun) before "
-                         "building the engine, or leave data_parallel unset.")
-    return True
-
-
-def _summary(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} items)"
-
-
-def differences(per_rank: list[dict[str, Any]]) -> list[str]:
-    """One line per setting whose value differs between ranks, with every rank's value."""
-    lines = []
-    for key in per_rank[0]:
-        values = [settings.get(key) for settings in per_rank]
-        if any(v != values[0] for v in values[1:]):
-            if isinstance(values[0], list):
-                first = next((i for i in range(max(len(v) for v in values))
-                              if len({repr(v[i]) if i < len(v) else None for v in values}) > 1), None)
-                shown = [f"rank {r}: {len(v)} entries, entry {first} = "
-                         f"{_summary(v[first]) if first is not None and first < len(v) else 'missing'}"
-                         for r, v in enumerate(values)]
-            else:
-                shown = [f"rank {r}: {_summary(v)}" for r, v in enumerate(values)]
-            lines.append(f"{key}: " + "; ".join(shown))
-    return lines
 
 
 class DataParallelGroup:
@@ -260,7 +141,7 @@ class DataParallelGroup:
         # The optimizer thread's large collectives go in chunks over these groups at once ([Note: data parallel]).
         self.stream_groups = [self.optimizer_group] + [dist.new_group(backend="gloo", timeout=timeout)
                                                        for _ in range(COLLECTIVE_STREAMS - 1)]
-        self._streams = _Streams(COLLECTIVE_STREAMS)
+        self._streams = CollectiveStreams(COLLECTIVE_STREAMS)
         # The engine's "finish the steps with the peers" (drain, barrier), run at exit before the streams end.
         self.before_exit: Callable[[], None] | None = None
         _LIVE_GROUPS.add(self)
@@ -345,7 +226,7 @@ class DataParallelGroup:
             except Exception as error:  # noqa: BLE001 - at exit nobody can catch it
                 logger.warning("RoundPipe could not finish its data-parallel steps before exiting: %s", error)
         self._streams.stop()
-        _join_at_exit(self._streams, self.timeout_s)
+        join_at_exit(self._streams, self.timeout_s)
 
     # ------------------------------------------------------------------ the caller's collectives
 

@@ -9,9 +9,10 @@ import threading
 from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
 from .deferred import route_commit
-from .device import Device, Payload
+from .device import Device
 from .host_store import HostStore
 from .jobs import TaskJob
+from .payload import Payload
 from .residency import ParamResidency, TaskParams
 from .sync import FailureFlag, SerialExecutor
 

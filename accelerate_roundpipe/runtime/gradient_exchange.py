@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from .gloo_exchange import DataParallelGroup, wants_data_parallel
+from .gloo_exchange import DataParallelGroup
 from .host_store import HostStore
+from .rank_settings import wants_data_parallel
 from .sync import FailureFlag
 from .whole_buckets import WholeBuckets
 

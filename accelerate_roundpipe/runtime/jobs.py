@@ -45,7 +45,7 @@ class PassPlan:
     reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
     adapter_setting: tuple = ()  # PEFT's switches its forward runs with ([Note: adapter switches])
     # The key of its layers' RNG streams: the count of training passes before it, or -(n + 1) for the n-th
-    # evaluation pass ([Note: RNG streams of passes] in device.py).
+    # evaluation pass ([Note: RNG streams of passes] in rng_streams.py).
     rng_stream: int = 0
 
     @property

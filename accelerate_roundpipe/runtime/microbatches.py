@@ -127,3 +127,24 @@ class MicrobatchPolicy:
         requested = self.config.num_microbatches
         chosen = self.plan.chosen_microbatches
         return min(requested if requested is not None else chosen or 2 * self.num_devices, rows)
+
+
+def weighted_loss(losses: list[torch.Tensor], shares: list[float]) -> torch.Tensor:
+    """The whole batch's loss from its micro-batches' ([Note: micro-batch loss weights]). A micro-batch of weight 0
+    (every label masked) has a NaN mean of its own; it adds nothing."""
+    weighted = [loss * share for loss, share in zip(losses, shares) if share != 0]
+    total = weighted[0] if weighted else losses[0].new_zeros(())
+    for part in weighted[1:]:
+        total = total + part
+    return total
+
+
+def concatenated_outputs(pieces: list[tuple]) -> list[torch.Tensor]:
+    """A forward pass's outputs: each output of the last layer, its micro-batches' concatenated along dim 0."""
+    outputs = []
+    for k in range(len(pieces[0])):
+        if pieces[0][k].dim() == 0:
+            raise TypeError("the last layer returned a 0-dim tensor; model(...) concatenates outputs along dim 0, "
+                            "so use forward_backward(...) for a layer that returns the loss.")
+        outputs.append(torch.cat([p[k] for p in pieces], dim=0))
+    return outputs

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .device import NO_SPAN, Device
+from .device import Device
 from .host_store import Binding, HostStore
 from .jobs import TaskJob
 from .layer_copy import LayerCopy
+from .payload import NO_SPAN
 from .sync import FailureFlag
 
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .cpu_device import CpuDevice
-from .device import Payload
+from .payload import Payload
 
 # One lock for every modelled stream: running one stream's queue may run another's (a wait for its event).
 _LOCK = threading.RLock()

@@ -19,12 +19,14 @@ import torch
 from ..plan.schedule import Task, TaskKind, format_schedule
 from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
-from .device import Device, Payload, stream_seed
+from .device import Device
 from .grad_commit import GradCommits
 from .host_store import HostStore
 from .jobs import PassPlan, TaskJob
 from .layer_profile import LayerRun
+from .payload import Payload
 from .residency import ParamResidency, TaskParams
+from .rng_streams import stream_seed
 from .sync import Aborted, FailureFlag, mark_engine_thread
 
 logger = logging.getLogger(__name__)
