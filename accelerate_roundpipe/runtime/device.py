@@ -116,6 +116,11 @@ class Device(abc.ABC):
     def __str__(self) -> str:
         return f"d{self.index}({self.device})"
 
+    def record_to(self, trace) -> None:
+        """Record copies in `trace` (a TraceRecorder, or None), each on its own stream's track; told by the worker
+        that owns the device, before its thread starts."""
+        self.trace = trace
+
     # -------------------------------------------------------------- primitives a device class supplies
 
     @abc.abstractmethod

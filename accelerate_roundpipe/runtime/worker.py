@@ -97,7 +97,7 @@ class Worker:
                  schedules: dict[int, list[Task]] | None = None) -> None:
         self.device = device
         self.trace = trace
-        device.trace = trace
+        device.record_to(trace)
         self.num_devices = num_devices
         self.failure = failure
         self.recompute = recompute
