@@ -242,7 +242,7 @@ class RoundPipe(HostResidentModule):
         saved_inputs = results.hand_over_saved_inputs()
         outputs = concatenated_outputs(pieces)
         if keep_for_backward:
-            outputs = list(_PipelineBackward.apply(self._launch, plan, saved_inputs, self._launch.weight_epochs(),
+            outputs = list(_PipelineBackward.apply(self, self._launch, plan, saved_inputs, self._launch.weight_epochs(),
                                                    torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 

@@ -127,8 +127,9 @@ class PipelineBackward(torch.autograd.Function):
     """Attaches `model(...)` outputs to the backward pipeline."""
 
     @staticmethod
-    def forward(ctx, launcher: PassLauncher, plan: PassPlan, saved_inputs: SavedInputs, epochs: list[int],
+    def forward(ctx, engine, launcher: PassLauncher, plan: PassPlan, saved_inputs: SavedInputs, epochs: list[int],
                 anchor: torch.Tensor, *outputs: torch.Tensor):
+        ctx.engine = engine  # kept alive (its threads running) while a graph may still call this backward
         ctx.launcher, ctx.plan, ctx.saved_inputs, ctx.epochs = launcher, plan, saved_inputs, epochs
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
@@ -138,4 +139,4 @@ class PipelineBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         saved_inputs, ctx.saved_inputs = ctx.saved_inputs, None  # read once, by this backward
         ctx.launcher.backward_pass(ctx.plan, saved_inputs, ctx.epochs, grads)
-        return (None, None, None, None, None) + (None,) * len(grads)
+        return (None,) * 6 + (None,) * len(grads)
