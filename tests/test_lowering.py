@@ -188,30 +188,39 @@ def test_dispatch_takes_each_tasks_input_and_receiver_from_the_lowering(monkeypa
 
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
     from accelerate_roundpipe.runtime.dispatch import Dispatcher
+    from accelerate_roundpipe.runtime.jobs import PassResults
 
-    enqueued = []
-    original = Dispatcher.enqueue
+    enqueued, expected_outputs = [], {}
+    original, original_expect = Dispatcher.enqueue, PassResults.expect_outputs
 
-    def recording(self, tasks, state, first_inputs):
-        jobs = original(self, tasks, state, first_inputs)
-        enqueued.append((tasks, state, jobs))
+    def recording(self, tasks, plan, results, first_inputs):
+        jobs = original(self, tasks, plan, results, first_inputs)
+        enqueued.append((tasks, results, jobs))
         return jobs
 
+    def recording_expect(self, outputs):
+        expected_outputs[id(self)] = list(outputs)
+        original_expect(self, outputs)
+
     monkeypatch.setattr(Dispatcher, "enqueue", recording)
+    monkeypatch.setattr(PassResults, "expect_outputs", recording_expect)
     torch.manual_seed(0)
     engine = RoundPipe(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]),
                        RoundPipeConfig(devices=["cpu"] * 3, num_microbatches=4, microbatches_per_round=2))
     try:
         engine.forward_backward(torch.randn(4, 4), labels=torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
+        with torch.no_grad():  # a forward pass: the caller takes its outputs
+            engine(torch.randn(4, 4))
         engine.synchronize()
     finally:
         engine.close()
-    (tasks, state, jobs), = enqueued
-    links = task_links(lower_schedule(tasks))
-    assert len({t.round_index for t in tasks}) == 2
-    for job, link in zip(jobs, links, strict=True):
-        assert job.next_worker == link.send_to
-        if link.source is not None:
-            assert job.inputs is jobs[link.source].outputs
-    last = [job for job, link in zip(jobs, links) if link.send_to is None]
-    assert [f for job in last for f in job.outputs] == state.outputs
+    (train_tasks, _, train_jobs), (tasks, results, jobs) = enqueued
+    for tasks_, jobs_ in ((train_tasks, train_jobs), (tasks, jobs)):
+        links = task_links(lower_schedule(tasks_))
+        assert len({t.round_index for t in tasks_}) == 2
+        for job, link in zip(jobs_, links, strict=True):
+            assert job.next_worker == link.send_to
+            if link.source is not None:
+                assert job.inputs is jobs_[link.source].outputs
+    last = [job for job, link in zip(jobs, task_links(lower_schedule(tasks))) if link.send_to is None]
+    assert [f for job in last for f in job.outputs] == expected_outputs[id(results)]
