@@ -69,3 +69,21 @@ def test_every_kind_of_pass_ends_with_its_results_taken(monkeypatch, num_devices
         assert sorted(set(checked)) == [0, 1, 2, 3, 4]
     finally:
         engine.close()
+
+
+def test_a_caller_interrupted_while_taking_the_losses_is_not_reported_as_a_leftover(monkeypatch):
+    """Ctrl-C while `forward_backward` waits for the losses: the pass's losses stay untaken, and the end-of-pass
+    check must not call that a RoundPipe bug at the next pass."""
+    from accelerate_roundpipe.runtime.jobs import PassResults
+    from accelerate_roundpipe.runtime.sync import FailureFlag, Future
+
+    def interrupted(self, failure):
+        raise KeyboardInterrupt
+
+    results = PassResults(0, num_losses=2)
+    monkeypatch.setattr(Future, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        results.take_losses(FailureFlag())
+    results.check_drained()  # the caller came for them: nothing to report
+    with pytest.raises(RuntimeError, match="2 micro-batch loss"):
+        PassResults(1, num_losses=2).check_drained()  # never asked for: still reported

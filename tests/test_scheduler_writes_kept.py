@@ -38,14 +38,18 @@ def test_no_scheduler_write_is_lost_under_the_lagged_step():
     optimizer = engine.wrap_optimizer(inner)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen)
+    scheduled: list[float] = []  # the scheduler's learning rate at each step(), read on the caller's thread
     try:
         for _ in range(STEPS):
             engine.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+            scheduled.append(scheduler.get_last_lr()[0])
             optimizer.step()
             scheduler.step()  # lands while this step's buckets are being stepped
             optimizer.zero_grad()
         engine.synchronize()
-        buckets = len(used) // STEPS
+        buckets = len(engine._store.trainable_buckets)
+        assert buckets >= 1 and len(used) == buckets * STEPS  # every bucket's step was seen
+        assert scheduled == [_lr(k) for k in range(STEPS)]
         per_step = [used[k * buckets:(k + 1) * buckets] for k in range(STEPS)]
         stale = [k for k, lrs in enumerate(per_step) if lrs != [_lr(k)] * buckets]
         assert stale == [], (f"{len(stale)} of {STEPS} steps ran with a stale learning rate: steps {stale[:10]}, "

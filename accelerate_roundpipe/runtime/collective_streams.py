@@ -68,7 +68,8 @@ class CollectiveHandle:
             try:
                 chunk()
             except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-                self.error = self.error or error
+                with self._lock:  # two chunks failing at once: the first error is kept
+                    self.error = self.error or error
             finally:
                 with self._lock:
                     self._left -= 1

@@ -208,12 +208,14 @@ class DataParallelGroup:
         stream threads are joined at exit at the latest ([Note: clean exit under data parallelism])."""
         self._streams.stop()
         _LIVE_GROUPS.discard(self)
+        # A stream still inside a collective after the wait: destroying its group under it could abort the process.
+        if clean and not self._streams.join(self.timeout_s):
+            clean = False
         if not clean:
             for streams in [s for s in _STOPPED_STREAMS if s.join(0.0)]:
                 del _STOPPED_STREAMS[streams]  # ended since
             _STOPPED_STREAMS[self._streams] = self.timeout_s
             return
-        self._streams.join(self.timeout_s)  # idle: the engine synchronized
         for group in dict.fromkeys([self.caller_group, *self.stream_groups]):
             self.dist.destroy_process_group(group)
 

@@ -65,6 +65,9 @@ class PassResults:
         self._saved: SavedInputs = saved_inputs if saved_inputs is not None else {}
         self._losses = [Future(f"loss of micro-batch {m}") for m in range(num_losses)]
         self._outputs: list[Future] = []  # what the pass's last task of each micro-batch gives
+        # The caller came for the losses / outputs: an interrupted wait (Ctrl-C in a notebook) leaves them
+        # untaken, which the end-of-pass check must not report as a RoundPipe bug.
+        self._claimed = {"losses": False, "outputs": False}
 
     # ---------------------------------------------------------------- saved layer inputs (worker threads)
 
@@ -90,6 +93,7 @@ class PassResults:
 
     def take_losses(self, failure: FailureFlag) -> list[Any]:
         """Wait for every micro-batch's loss and take them."""
+        self._claimed["losses"] = True
         losses = [f.take(failure) for f in self._losses]
         self._losses = []
         return losses
@@ -99,6 +103,7 @@ class PassResults:
         self._outputs = list(outputs)
 
     def take_outputs(self, failure: FailureFlag) -> list[Any]:
+        self._claimed["outputs"] = True
         outputs = [f.take(failure) for f in self._outputs]
         self._outputs = []
         return outputs
@@ -111,9 +116,9 @@ class PassResults:
         if self._saved:
             where = ", ".join(f"(layer {layer}, micro-batch {mb})" for layer, mb in sorted(self._saved)[:8])
             left.append(f"{len(self._saved)} saved layer input(s) never read back by a backward: {where}")
-        if self._losses:
+        if self._losses and not self._claimed["losses"]:
             left.append(f"{len(self._losses)} micro-batch loss(es) never read by the caller")
-        if self._outputs:
+        if self._outputs and not self._claimed["outputs"]:
             left.append(f"{len(self._outputs)} micro-batch output(s) never read by the caller")
         if left:
             self._saved, self._losses, self._outputs = {}, [], []  # reported once

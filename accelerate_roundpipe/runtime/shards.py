@@ -276,5 +276,5 @@ def _joined(key: str, parts: list[tuple[int, dict[str, Any]]], param: torch.Tens
     first = parts[0][1][key]
     if torch.is_tensor(first) and first.dim() > 0 and all(
             values[key].numel() == length for length, values in parts):
-        return torch.cat([values[key].reshape(-1) for _, values in parts]).reshape(param.shape).clone()
+        return torch.cat([values[key].reshape(-1) for _, values in parts]).reshape(param.shape)  # cat made new memory
     return first.clone() if torch.is_tensor(first) else first

@@ -113,7 +113,7 @@ class WeightVersions:
             self._copy_optim_into_compute()
 
     def restore_stash(self, tensor: torch.Tensor) -> None:
-        self._stash = tensor.to(self._compute.dtype).clone()
+        self._stash = tensor.to(self._compute.dtype, copy=True)
 
     def forget_stash(self) -> None:
         self._stash = None
