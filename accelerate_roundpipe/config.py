@@ -20,6 +20,7 @@ ENV_PREFIX = "ROUNDPIPE_"
 RECOMPUTE_GRAINS = ("stage", "layer")
 KERNEL_CHOICES = ("auto", "liger", "none")
 PLAN_CHOICES = ("measured", "static")
+PLACEMENT_CHOICES = ("auto", "host", "device")  # [Note: optimizer placement]
 _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f")
 
@@ -97,6 +98,8 @@ NUMBER_RANGES: dict[str, NumberRange] = {
     "head_shards": NumberRange(integer=True, least=1, auto=True),
     "gpu_memory_budget": NumberRange(integer=False, what="size in GiB (e.g. 24 or '24GiB')",
                                      units=("gib", "gb", "g")),
+    "optimizer_device_budget": NumberRange(integer=False, what="size in GiB (e.g. 8 or '8GiB')",
+                                           units=("gib", "gb", "g")),
 }
 
 
@@ -252,6 +255,15 @@ class RoundPipeConfig:
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
             host copy path, as on a GPU).
+        optimizer_placement (`str`, env `ROUNDPIPE_OPTIMIZER_PLACEMENT`): where each trainable bucket's optimizer
+            state, float32 master weights and gradients live ([Note: optimizer placement] in
+            `runtime/placement.py`): "device" keeps as many buckets as fit in `optimizer_device_budget` on a GPU
+            (bottom layers and tied embeddings first), stepped there by the optimizer's CUDA kernel with nothing
+            crossing PCIe; "host" keeps every bucket in host memory, stepped by the CPU; "auto" is "device" on GPUs
+            (one process) with the budget's default share, else "host". Default: "auto".
+        optimizer_device_budget (`float` GiB or a string like "8GiB", env `ROUNDPIPE_OPTIMIZER_DEVICE_BUDGET`): GPU
+            memory, per device, that optimizer placement may fill (16 bytes a parameter with AdamW). Default: half
+            of `gpu_memory_budget` (the other half stays for stages and saved inputs); no limit for CPU workers.
         data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
             `torch.distributed` (one process per machine, each an engine over its local devices; see
             [Note: data parallel] in `runtime/gloo_exchange.py`). True requires an initialized process group; False
@@ -302,6 +314,10 @@ class RoundPipeConfig:
         "help": "HF models: the head as this many vocabulary-shard pipeline layers, or 'auto'. Default: 1."})
     gpu_memory_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device the engine plans with, in GiB (e.g. 24 or '24GiB'). Default: the GPU's."})
+    optimizer_placement: str | None = field(default=None, metadata={
+        "help": "Where optimizer state lives: 'auto' (as much on the GPU as fits), 'host', 'device'. Default: auto."})
+    optimizer_device_budget: float | str | None = field(default=None, metadata={
+        "help": "GPU memory per device optimizer placement may fill, in GiB. Default: half of the GPU budget."})
     data_parallel: bool | None = field(default=None, metadata={
         "help": "Run as one rank of a torch.distributed data-parallel group. Default: on when world size > 1."})
 
@@ -341,7 +357,8 @@ class RoundPipeConfig:
                              "ROUNDPIPE_PIN_MEMORY=0) or leave it unset.")
         self.param_dtype = to_dtype(self.param_dtype, knob("param_dtype"))
         self.optimizer_dtype = to_dtype(self.optimizer_dtype, knob("optimizer_dtype"))
-        for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES)):
+        for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES),
+                              ("optimizer_placement", PLACEMENT_CHOICES)):
             value = getattr(self, name)
             if value is not None:
                 value = str(value).strip().lower()
@@ -377,6 +394,10 @@ class RoundPipeConfig:
         if self.plan is not None:
             return self.plan
         return "measured" if all(d.type == "cuda" for d in self.resolved_devices()) else "static"
+
+    @property
+    def resolved_optimizer_placement(self) -> str:
+        return self.optimizer_placement or "auto"
 
     @property
     def resolved_recompute(self) -> str:

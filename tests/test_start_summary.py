@@ -43,6 +43,8 @@ def test_summary_once_at_the_first_pass_says_how_the_engine_runs(capsys, tmp_pat
         f"  plan: static, {engine.partition}",
         "  micro-batches: 4 per pass (num_microbatches), all in one round; recompute: layer",
         "  optimizer: AdamW, lagged one step (async, staleness 1)",
+        f"  optimizer state: auto: all {len(engine.host_store.trainable_buckets)} trainable buckets on the host "
+        "(CPU workers gain nothing from it; optimizer_placement=device places it anyway)",
         "  clipping: max_grad_norm=1 (a note an integration adds)",
     ]
     assert lines[: len(expected)] == expected

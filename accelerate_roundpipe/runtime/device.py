@@ -262,7 +262,9 @@ class Device(abc.ABC):
             begin()
             events = []
             for flat, host in zip(flats, hosts):
-                if host.dtype == flat.dtype:
+                if host.device.type != "cpu":  # an optimizer copy kept on a device: cast there, nothing crosses PCIe
+                    self._copy_on_device(flat, host)
+                elif host.dtype == flat.dtype:
                     self._copy_to_device(flat, host)
                 else:
                     self._upload_and_cast(flat, host)
@@ -279,6 +281,14 @@ class Device(abc.ABC):
             stage = staging[:part.numel()]
             self._copy_to_device(stage, part)
             self._copy_on_device(flat[start:start + part.numel()], stage)  # the next chunk's copy waits for this
+
+    def empty_grads_on(self, home: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer on `home` (a bucket's home device: [Note: optimizer placement]) that a gradient download may
+        convert into, allocated for the gradient-download stream that writes it."""
+        if torch.device(home) == self.device:
+            with self._on_stream(self.grad_out):
+                return self._empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=home)
 
     def use_params(self, flats: list[torch.Tensor], event) -> None:
         self._use(flats, event)

@@ -31,6 +31,7 @@ from .host_store import HostStore
 from .microbatches import concatenated_outputs, loss_count_totals, loss_shares, split_rows, tensor_tuple, weighted_loss
 from .optimizer import RoundPipeOptimizer
 from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
+from .placement import OptimizerPlacement
 from .sync import EngineClosedError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class RoundPipe(HostResidentModule):
         self._plan, self._microbatches, self._dispatch = parts.plan, parts.microbatches, parts.dispatch
         self._deferred, self._background = parts.deferred, parts.threads
         self._torn, self._launch = parts.torn, parts.launch
+        self._placement: OptimizerPlacement | None = None  # made when the optimizer is wrapped
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
@@ -113,6 +115,11 @@ class RoundPipe(HostResidentModule):
         return self._store
 
     @property
+    def optimizer_placement(self) -> OptimizerPlacement | None:
+        """Where each trainable bucket's optimizer state lives (None until an optimizer is wrapped)."""
+        return self._placement
+
+    @property
     def optimizer(self) -> RoundPipeOptimizer | None:
         return self._background.optimizer
 
@@ -126,15 +133,16 @@ class RoundPipe(HostResidentModule):
         self._exchange.check_same("the optimizer", {
             "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
             "parameters per group": [len(g["params"]) for g in optimizer.param_groups]})
+        self.synchronize()  # nothing in flight: a wrapped optimizer closes, buckets may move home
         if self.optimizer is not None:
-            self.synchronize()
             self.optimizer.close()
-        wrapped = RoundPipeOptimizer(optimizer, self._store, self._failure,
-                                                        self.config.resolved_async_optimizer,
-                                                        deferred_passes=self._deferred, trace=self.trace,
-                                                        exact_steps_first=self.config.resolved_async_warmup_steps,
-                                                        layout_of=lambda user: self._exchange.optimizer_layout(
-                                                            user, self._store, self.trace))
+        if self._placement is None:  # once: [Note: optimizer placement]
+            self._placement = self._plan.place_optimizer_state(optimizer, self._exchange.world_size > 1)
+        wrapped = RoundPipeOptimizer(optimizer, self._store, self._failure, self.config.resolved_async_optimizer,
+                                     deferred_passes=self._deferred, trace=self.trace,
+                                     exact_steps_first=self.config.resolved_async_warmup_steps,
+                                     layout_of=lambda user: self._exchange.optimizer_layout(user, self._store,
+                                                                                            self.trace))
         self._background.use_optimizer(wrapped)
         self._torn.follow_optimizer(self.optimizer.write_back_after_failure)
         return self.optimizer

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from ..telemetry.trace import TraceRecorder, maybe_span
 from . import faults
 from .deferred import route_commit
 from .device import Device
-from .host_store import HostStore
+from .host_store import Bucket, HostStore
 from .jobs import TaskJob
 from .payload import Payload
 from .residency import ParamResidency, TaskParams
@@ -56,12 +58,20 @@ class GradCommits:
         # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
         # A task that read only rows of a bucket downloads those rows ([Note: row windows]).
         windows = [params.windows[b] for b, _ in tickets]
-        outs = [self.store.grad_pool.take(self.store.buckets[b].optim[slice(*window)])
-                for (b, _), window in zip(tickets, windows)]
+        outs = [self._download_buffer(self.store.buckets[b], window) for (b, _), window in zip(tickets, windows)]
         payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
             self.residency.unbind()
         self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, windows, last))
+
+    def _download_buffer(self, bucket: Bucket, window: tuple[int, int]) -> torch.Tensor:
+        """Where a bucket's gradients (elements `window`) land, in the optimizer dtype: a buffer of the host pool, or
+        for a bucket kept on a device, a buffer there, which becomes its gradient buffer as a host one would
+        ([Note: gradient swap], [Note: optimizer placement])."""
+        like = bucket.optim[slice(*window)]
+        if bucket.home is None:
+            return self.store.grad_pool.take(like)
+        return self.device.empty_grads_on(bucket.home, like.numel(), like.dtype)
 
     def finish(self, job: TaskJob, params: TaskParams, commits: dict) -> bool:
         """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
@@ -102,4 +112,5 @@ class GradCommits:
                 raise
             finally:
                 bucket.grads.end(ticket)
-            self.store.grad_pool.give(spare)
+            if bucket.home is None:  # a device buffer is simply dropped: its kernels are done (bucket.settle)
+                self.store.grad_pool.give(spare)

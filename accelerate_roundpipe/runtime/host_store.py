@@ -23,18 +23,17 @@ bucket's gradient (`Bucket.commit`).
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from . import host_budget
+from .bucket import Bucket, ParamSlot
 from .grad_buffers import GradBufferPool
 from .pinned import HostMemory
-from .sync import ReadWriteOrder, Sequencer
-from .weight_versions import StepCount, WeightVersions
+from .weight_versions import StepCount
 
 __all__ = ["Bucket", "HostStore", "ParamSlot", "StepCount"]
 
@@ -50,173 +49,6 @@ def optimizer_dtype_for(param_dtype: torch.dtype, requested: torch.dtype | None)
     if requested is not None:
         return requested
     return torch.float64 if param_dtype == torch.float64 else torch.float32
-
-
-@dataclass
-class ParamSlot:
-    name: str
-    param: nn.Parameter  # the user's parameter (its data is a view of bucket.compute)
-    offset: int
-    numel: int
-    shape: torch.Size
-    optim: nn.Parameter | None = None  # the optimizer copy (trainable only)
-    # The dtype the parameter had before the store took it over: what a saved model holds ([Note: saved model dtype]).
-    model_dtype: torch.dtype | None = None
-
-
-@dataclass
-class Bucket:
-    index: int
-    layers: tuple[int, ...]  # layers that use it
-    trainable: bool
-    compute: torch.Tensor
-    optim: torch.Tensor | None
-    grad: torch.Tensor | None
-    slots: list[ParamSlot]
-    reads: ReadWriteOrder = field(default_factory=ReadWriteOrder)
-    grads: Sequencer = field(default_factory=Sequencer)
-    grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
-    pending: torch.Tensor | None = None  # a deferred pass's gradients ([Note: deferred gradient commit])
-    grad_sq: float | None = None  # squared L2 norm of `grad` when known without a host pass ([Note: device norms])
-    # The windows committed since `grad` was last all zero, outside which it is still zero; None: unknown
-    # ([Note: row windows]).
-    written: list[tuple[int, int]] | None = None
-    # Which copy holds which version, changed only through its transitions ([Note: weight versions]).
-    versions: WeightVersions = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.versions = WeightVersions(self.compute, self.optim)
-
-    @property
-    def steps(self) -> StepCount:
-        return self.versions.steps  # [Note: torn weights]
-
-    @property
-    def current_in_optim(self) -> bool:
-        return self.versions.current_in_optim
-
-    @property
-    def stash(self) -> torch.Tensor | None:
-        return self.versions.stash
-
-    @property
-    def new_versions_reserved(self) -> int:
-        return self.versions.new_versions_reserved
-
-    def current(self, newest: bool = False) -> torch.Tensor:
-        return self.versions.current(newest)
-
-    def __str__(self) -> str:
-        kind = "trainable" if self.trainable else "frozen"
-        return f"bucket{self.index}(layers {list(self.layers)}, {kind}, {self.compute.numel()} x {self.compute.dtype})"
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
-
-    # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
-    # bucket's gradient turn (`grads`), on whichever host thread holds it.
-
-    def commit(self, grad: torch.Tensor, grad_sq: float | None = None,
-               window: tuple[int, int] | None = None) -> torch.Tensor:
-        """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device): add them to a buffer
-        that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]); a
-        `window` download (elements [start, stop): [Note: row windows]) goes into its rows. Returns the spare
-        buffer nobody reads any more."""
-        if window is not None and window != (0, self.grad.numel()):
-            return self._commit_window(grad, grad_sq, window)
-        if self.grad_valid:
-            self.grad.add_(grad)
-            # [Note: device norms] a sum's norm is not the sum of norms, unless what was held was exactly zero.
-            self.grad_sq = grad_sq if self.grad_sq == 0.0 else None
-            self.written = None
-            return grad
-        spare, self.grad = self.grad, grad
-        self.grad_valid = True
-        self.grad_sq = grad_sq
-        self.written = None
-        self._attach_grads()
-        return spare
-
-    def _commit_window(self, grad: torch.Tensor, grad_sq: float | None, window: tuple[int, int]) -> torch.Tensor:
-        start, stop = window
-        if not self.grad_valid:  # the rows outside the window hold no gradient: zero them, once
-            self.grad[:start].zero_()
-            self.grad[stop:].zero_()
-            self.grad[start:stop].copy_(grad)
-            self.grad_valid = True
-            self.grad_sq, self.written = grad_sq, [window]
-            self._attach_grads()
-            return grad
-        # [Note: device norms] norms add where the window held exactly zero: all zero, or outside every window
-        # written since the buffer was last zero.
-        if self.grad_sq == 0.0:
-            self.written = []
-        known_zero = self.written is not None and all(stop <= a or b <= start for a, b in self.written)
-        self.grad[start:stop].add_(grad)
-        self.grad_sq = self.grad_sq + grad_sq if known_zero and None not in (self.grad_sq, grad_sq) else None
-        if self.written is not None:
-            self.written.append(window)
-        return grad
-
-    def clear(self) -> None:
-        """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites."""
-        self.grad_valid = False
-        self.grad_sq = None
-        self._detach_grads()
-
-    def zero(self) -> None:
-        """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
-        if self.grad_valid:
-            self.grad.zero_()
-            self.grad_sq = 0.0
-            self.written = []
-
-    def scale(self, ratio: float) -> None:
-        self.grad.mul_(ratio)
-        self.record_scale(ratio)
-
-    def record_scale(self, ratio: float) -> None:
-        """The optimizer's kernel multiplied the gradients by `ratio` as it read them ([Note: clip in the kernel])."""
-        scaled = None if self.grad_sq is None else self.grad_sq * ratio * ratio
-        # an infinite norm times a 0 coefficient is not the norm of what the gradients became: measure it again
-        self.grad_sq = scaled if scaled is not None and math.isfinite(scaled) else None
-
-    def squared_norm(self) -> float:
-        """The squared L2 norm of the held gradients: the device's measurement when there is one, else a host
-        pass over the buffer (0 without gradients)."""
-        if not self.grad_valid:
-            return 0.0
-        if self.grad_sq is None:
-            self.grad_sq = float(torch.linalg.vector_norm(self.grad)) ** 2
-        return self.grad_sq
-
-    def add_pending(self, grad: torch.Tensor, first: bool, window: tuple[int, int] | None = None) -> None:
-        """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
-        sum, overwriting what an earlier pass left ([Note: deferred gradient commit]); `window`: the elements the
-        download covers ([Note: row windows])."""
-        start, stop = window or (0, self.grad.numel())
-        if not first:
-            self.pending[start:stop].add_(grad)
-            return
-        if self.pending is None:
-            self.pending = torch.empty_like(self.grad)
-        self.pending[:start].zero_()
-        self.pending[stop:].zero_()
-        self.pending[start:stop].copy_(grad)
-
-    def commit_pending(self, ratio: float) -> None:
-        self.grad.add_(self.pending, alpha=ratio)
-        self.grad_sq = None
-        self.written = None
-
-    def _attach_grads(self) -> None:
-        assert self.grad is not None
-        for slot, view in zip(self.slots, self.views(self.grad)):
-            slot.optim.grad = view
-
-    def _detach_grads(self) -> None:
-        for slot in self.slots:
-            slot.optim.grad = None
 
 
 def _binding(module_path: str, attr: str, bucket_index: int, slot: ParamSlot, slot_index: int,

@@ -33,6 +33,7 @@ from ..plan.stage_cost_model import PlanSettings
 from .device import Device
 from .host_store import HostStore
 from .layer_profile import LayerProfile
+from .placement import OptimizerPlacement, place_optimizer_state
 from .sync import FailureFlag
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,19 @@ class MeasuredPlan:
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
         self._measure_next = self.enabled
         self._measured: tuple[LayerProfile, list, int, int] | None = None
+
+    def place_optimizer_state(self, optimizer, data_parallel: bool) -> OptimizerPlacement:
+        """Place the optimizer state of `optimizer` (being wrapped) and plan the stages in the memory it leaves
+        ([Note: optimizer placement])."""
+        config = self.config
+        placement = place_optimizer_state(config.resolved_optimizer_placement, config.optimizer_device_budget,
+                                          self.devices, self.store, optimizer, data_parallel, self.budget_bytes)
+        if self.budget_bytes is not None and placement.device_buckets:
+            homes = {p.home for p in placement.places if p.home is not None}
+            self.budget_bytes -= max(placement.device_bytes(home) for home in homes)
+            if not self.enabled:
+                self.keep_limit_bytes = int(self.budget_bytes * SAVED_INPUT_SHARE)
+        return placement
 
     def profile_for_pass(self, num_layers: int) -> LayerProfile | None:
         """A profile for the training pass about to be queued, if it is the one to measure."""

@@ -70,6 +70,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
+        self._unshown_on_device: dict[int, Bucket] = {}  # steps on a device not yet copied into the compute copy
         self._clip: GradientClip | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
         prefer_fused(inner)  # before the layout copies the groups' settings
@@ -151,8 +152,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                 groups = self.layout.steppers.groups(bucket, hyper)
                 grad_scale = clip.apply(bucket, groups) if clip is not None else None
                 if groups:
-                    with maybe_span(self.trace, "optimizer", f"step layers {list(bucket.layers)}"):
+                    track = "optimizer" if bucket.home is None else f"optimizer {bucket.home}"
+                    with maybe_span(self.trace, track, f"step layers {list(bucket.layers)}"):
                         self.layout.steppers.step(bucket, hyper, grad_scale)
+                        bucket.settle()  # [Note: device steps are synchronous]
                 self.layout.finish_step(bucket)
             bucket.versions.step_written(current_for_readers)
         finally:
@@ -189,8 +192,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             bucket.reads.end_write(write_ticket)
 
     def stepped_without_write_back(self, buckets: list[Bucket]) -> None:
-        """`buckets` got an exact step whose compute copies are not written yet."""
-        self._stale_compute.update((bucket.index, bucket) for bucket in buckets)
+        """`buckets` got an exact step whose compute copies are not written yet. A bucket on a device is written
+        only when someone looks (`synchronize`): its readers read the device's copy."""
+        for bucket in buckets:
+            (self._stale_compute if bucket.home is None else self._unshown_on_device)[bucket.index] = bucket
 
     def hold_writeback(self, bucket: Bucket) -> None:
         """`bucket` got a lagged step whose write-back waits for the next iteration's reads."""
@@ -303,6 +308,9 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.thread.wait_idle()
         self.show_newest()
         self.failure.check()
+        unshown, self._unshown_on_device = self._unshown_on_device, {}
+        for bucket in unshown.values():  # the optimizer thread is idle: the device's copies are final
+            bucket.versions.show_current()
 
     def close(self) -> None:
         self.thread.stop()

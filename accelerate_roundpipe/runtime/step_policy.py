@@ -65,14 +65,29 @@ class ExactStep:
 
 class LaggedStep:
     """Iteration k+1 computes with the weights after step k-1 while step k runs beside it: each bucket steps as its
-    gradients are final, and its write-back waits until the next iteration reserved its reads."""
+    gradients are final, and its write-back waits until the next iteration reserved its reads.
+
+    [Note: device steps are exact]
+    A bucket whose optimizer state lives on a device ([Note: optimizer placement]) steps exactly even here: the lag
+    exists to hide the host's step behind the next iteration, and a device step (well under a millisecond a layer)
+    has nothing to hide. So with `async_optimizer` the buckets on the host lag by one step and those on a device do
+    not; with every bucket on a device the lagged step is the exact one."""
 
     def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
         # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
         # entitled to back into the compute copies ([Note: exact step without write-back]).
         optimizer.write_back_stale()
-        for bucket in optimizer.step_order:
+        on_device = []
+        for bucket in optimizer.step_order:  # backward order: each job waits only for its own bucket's gradients
             ticket = bucket.grads.reserve()
+            if bucket.home is not None:
+                write_ticket = bucket.reads.reserve_write()
+                bucket.versions.reserve_new_version()
+                optimizer.thread.submit(lambda bucket=bucket, ticket=ticket, write_ticket=write_ticket:
+                                        optimizer._exact_step(bucket, ticket, write_ticket, hyper, clip))
+                on_device.append(bucket)
+                continue
             optimizer.thread.submit(lambda bucket=bucket, ticket=ticket:
                                     optimizer._step_bucket(bucket, ticket, hyper, clip))
             optimizer.hold_writeback(bucket)
+        optimizer.stepped_without_write_back(on_device)

@@ -16,6 +16,10 @@ holds the bucket's write turn (the optimizer thread), or by the caller while not
   version the next training pass reads kept aside as the stash.
 - `restore_stash` / `forget_stash`: a checkpoint's lagged weights become the stash / weights loaded from outside
   replace it.
+- `show_current`: a look at a bucket stepped on its device ([Note: optimizer placement]): the current version in
+  `optim` is copied into `compute` for whoever looks, and readers go on reading `optim` (on the device, where
+  the next task needs it).
+- `moved_optim`: the optimizer copy moved to the bucket's home device (same contents).
 - `loaded_from_optim` / `loaded_from_compute` / `loaded_into_both`: weights loaded from outside into one copy are
   copied into the other (or were written into both).
 What readers ask: `current(newest)` (the buffer a pass reads: its own version, or the newest for an evaluation
@@ -111,6 +115,14 @@ class WeightVersions:
         if self._stash is None:  # else this step is shown already
             self._stash = self._compute.clone()
             self._copy_optim_into_compute()
+
+    def show_current(self) -> None:
+        if self._steps.compute != self._steps.optim:
+            self._copy_optim_into_compute()
+
+    def moved_optim(self, optim: torch.Tensor) -> None:
+        self._optim = optim
+        self._optim_version_seen = optim._version
 
     def restore_stash(self, tensor: torch.Tensor) -> None:
         self._stash = tensor.to(self._compute.dtype, copy=True)

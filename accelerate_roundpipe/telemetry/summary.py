@@ -74,6 +74,9 @@ def engine_summary(engine) -> str:
         f"  micro-batches: {_microbatches(config, len(engine.devices))}; recompute: {config.resolved_recompute}",
         f"  optimizer: {_optimizer(engine)}",
     ]
+    placement = getattr(engine, "optimizer_placement", None)  # [Note: optimizer placement]
+    if placement is not None:
+        lines.append(f"  optimizer state: {placement.summary()}")
     group = getattr(engine, "data_parallel", None)
     if group is not None:
         lines.append(f"  data parallel: rank {group.rank} of {group.world_size} (gradients reduce-scattered, optimizer "
