@@ -70,17 +70,22 @@ def test_cuda_dropout_replayed():
         engine.close()
 
 
-def test_cuda_training_follows_staleness_rule():
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_cuda_training_follows_staleness_rule(placement):
+    """Also with the optimizer state on the GPU ([Note: optimizer placement]), whose steps are exact even with
+    async_optimizer ([Note: device steps are exact])."""
     import test_training
     from test_training import reference_training
 
     model = tied_model()
     batches = [batch(rows=9, seed=10 + k) for k in range(6)]
     for async_optimizer in (True, False):
-        ref_model, ref_losses = reference_training(model, batches, async_optimizer, 4, False)
+        lagged = async_optimizer and placement == "host"
+        ref_model, ref_losses = reference_training(model, batches, lagged, 4, False)
         engine = RoundPipe(copy.deepcopy(model).float(), RoundPipeConfig(devices=["cuda:0", "cuda:0"],
                                                                          num_microbatches=4,
-                                                                         async_optimizer=async_optimizer))
+                                                                         async_optimizer=async_optimizer,
+                                                                         optimizer_placement=placement))
         optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=test_training.LRS[0],
                                                             weight_decay=0.1))
         for k, (x, mask, y) in enumerate(batches):
