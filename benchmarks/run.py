@@ -5,13 +5,19 @@ sequence length) to a JSONL file, in the format `benchmarks/collect.py` reads:
 
 Run one system per process (the host peak is per process). Every record states how the optimizer stepped
 (`settings.optimizer_step`: "async", one step late, or "sync"; `ROUNDPIPE_ASYNC_OPTIMIZER` chooses), the clipping
-(`settings.max_grad_norm`, 0: none) and how often the loss reached the host (`settings.logging_steps`); a variant of
-a way in is named by its system: `-sync-optimizer`, `-clip<max_grad_norm>`.
+(`settings.max_grad_norm`, 0: none), how often the loss reached the host (`settings.logging_steps`) and where the
+optimizer state lived (`settings.optimizer_placement`); a variant of a way in is named by its system:
+`-sync-optimizer`, `-clip<max_grad_norm>`, `-placement-<placement>`.
+
+Any other `RoundPipeConfig` field is given as `--roundpipe FIELD=VALUE` (repeatable; the value as its
+`ROUNDPIPE_<FIELD>` variable takes it), e.g. `--roundpipe optimizer_placement=host`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import gc
 import importlib.metadata
 import statistics
@@ -27,11 +33,14 @@ from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa:
 from benchmarks.memory import is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
-from benchmarks.runners import RUNNERS  # noqa: E402
+from benchmarks.runners import RUNNERS, common  # noqa: E402
 from benchmarks.runners.common import config_values  # noqa: E402
 from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
 
 LOOP_LOGGING_STEPS = 1  # the engine and Accelerate loops read the loss every step (see runners/__init__.py)
+# RoundPipeConfig fields a flag of their own sets; `--roundpipe` takes every other field.
+FLAG_FIELDS = {"devices": "--devices", "num_microbatches": "--nms", "kernels": "--kernels", "recompute": "--recompute",
+               "gpu_memory_budget": "--budget", "mlp_chunk_tokens": "--mlp-chunk-tokens", "trace_path": "--trace-dir"}
 
 
 def _version(distribution: str) -> str | None:
@@ -41,20 +50,34 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def system_name(system: str, async_optimizer: bool, max_grad_norm: float) -> str:
-    """The way in, and how it stepped: the plain name is the lagged (async) step without clipping, as every record
-    before the exact step became the default was; `-sync-optimizer` is the exact step, `-clip<n>` clipping."""
+def optimizer_placement(config: RoundPipeConfig) -> str:
+    """Where the optimizer state was asked to live: "host" before the setting existed (every bucket stepped on the
+    host), else the setting; "auto" with CPU workers only is "host" (auto places buckets on GPUs)."""
+    placement = getattr(config, "resolved_optimizer_placement", "host")
+    if placement == "auto" and not common.cuda_indices(config):
+        return "host"
+    return placement
+
+
+def system_name(system: str, async_optimizer: bool, max_grad_norm: float, placement: str = "host") -> str:
+    """The way in, and how it stepped: the plain name is the lagged (async) step without clipping, its optimizer
+    state on the host, as every record before the exact step became the default was; `-sync-optimizer` is the exact
+    step, `-clip<n>` clipping, `-placement-<p>` optimizer state placed otherwise than all on the host."""
     name = system if async_optimizer else f"{system}-sync-optimizer"
-    return f"{name}-clip{max_grad_norm:g}" if max_grad_norm else name
+    name = f"{name}-clip{max_grad_norm:g}" if max_grad_norm else name
+    return name if placement == "host" else f"{name}-placement-{placement}"
 
 
 def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
             peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0) -> dict:
     w = WORKLOADS[workload]
     trainer = system == "roundpipe-trainer"
+    placement = optimizer_placement(config)
     training = {"optimizer_step": "async" if config.resolved_async_optimizer else "sync",
-                "max_grad_norm": max_grad_norm, "logging_steps": logging_steps if trainer else LOOP_LOGGING_STEPS}
-    record = {"workload": workload, "system": system_name(system, config.resolved_async_optimizer, max_grad_norm),
+                "max_grad_norm": max_grad_norm, "logging_steps": logging_steps if trainer else LOOP_LOGGING_STEPS,
+                "optimizer_placement": placement}
+    record = {"workload": workload,
+              "system": system_name(system, config.resolved_async_optimizer, max_grad_norm, placement),
               "seq": seq, "global_batch": w.global_batch,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": git_commit(),
               "max_seq": seq if is_sweep(workload) else None}
@@ -69,6 +92,7 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
         import transformers
 
         settings["transformers"] = transformers.__version__
+        torch.manual_seed(0)  # the same initial weights in every run: variants' losses compare step by step
         model = build_model(w.arch, seq, w.lora)
         batch = make_batch(w.shape.vocab_size, w.global_batch, seq)
         extra = {"logging_steps": logging_steps, "max_grad_norm": max_grad_norm} if trainer else {}
@@ -111,11 +135,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--logging-steps", type=int, default=10, help="the Trainer's logging_steps")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="the Trainer's max_grad_norm (0: no "
                         "clipping; the loops never clip)")
+    parser.add_argument("--roundpipe", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any other RoundPipeConfig field, as its ROUNDPIPE_<FIELD> variable takes it "
+                        "(repeatable), e.g. optimizer_placement=host")
     parser.add_argument("--out", required=True, help="JSONL file the records are appended to")
     args = parser.parse_args(argv)
     if args.max_grad_norm and args.system != "roundpipe-trainer":
         parser.error("--max-grad-norm is the Trainer's; the engine and Accelerate loops do not clip")
+    try:  # checked before any model is built: a typo must not measure the default
+        args.roundpipe = roundpipe_fields(args.roundpipe)
+    except ValueError as error:
+        parser.error(str(error))
     return args
+
+
+def roundpipe_fields(items: list[str]) -> dict[str, str]:
+    """`FIELD=VALUE` items as RoundPipeConfig keyword arguments (values as text: the config parses them as it parses
+    its variables). An unknown field is an error naming the close matches; a field with a flag of its own is an
+    error naming the flag."""
+    fields = [f.name for f in dataclasses.fields(RoundPipeConfig)]
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--roundpipe {item!r}: expected FIELD=VALUE")
+        if key in FLAG_FIELDS:
+            raise ValueError(f"--roundpipe {item!r}: give {key} with {FLAG_FIELDS[key]}")
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"--roundpipe {item!r}: RoundPipeConfig has no field {key}{hint}")
+        out[key] = value.strip()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.trace_dir:
                 extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w.global_batch),
-                                     kernels=args.kernels, recompute=args.recompute, **extra)
+                                     kernels=args.kernels, recompute=args.recompute, **extra, **args.roundpipe)
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
                              args.max_grad_norm)

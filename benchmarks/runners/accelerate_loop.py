@@ -40,7 +40,8 @@ def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: 
             optimizer.zero_grad()
             clock.end(step)
         path = {"api": "RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(...)) stock loop",
-                "mixed_precision": precision, "optimizer": common.describe_optimizer(optimizer.optimizer.inner)}
+                "mixed_precision": precision, "optimizer": common.describe_optimizer(optimizer.optimizer.inner),
+                "optimizer_placement": common.placement_of(engine)}
         return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter, path)
     finally:
         common.close_engine(engine)

@@ -56,6 +56,16 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__}({text}) x {len(optimizer.param_groups)} groups"
 
 
+def placement_of(engine) -> dict | None:
+    """Where the engine put each trainable bucket's optimizer state: the start summary's line and its counts (see
+    [Note: optimizer placement] in runtime/placement.py)."""
+    placement = getattr(engine, "optimizer_placement", None)
+    if placement is None:
+        return None
+    return {"summary": placement.summary(), "device_buckets": len(placement.device_buckets),
+            "host_buckets": len(placement.host_buckets), "device_gib": round(placement.device_bytes() / 2**30, 3)}
+
+
 def is_bf16(model: torch.nn.Module) -> bool:
     return any(p.dtype == torch.bfloat16 for p in model.parameters())
 

@@ -29,7 +29,8 @@ def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, war
             optimizer.step()
             optimizer.zero_grad()
             clock.end(step)
-        path = {"api": "wrap_model + forward_backward", "optimizer": common.describe_optimizer(optimizer.inner)}
+        path = {"api": "wrap_model + forward_backward", "optimizer": common.describe_optimizer(optimizer.inner),
+                "optimizer_placement": common.placement_of(engine)}
         return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter, path)
     finally:
         common.close_engine(engine)

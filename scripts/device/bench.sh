@@ -4,9 +4,13 @@
 #
 #   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
 #
-# Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k. `anchors` adds, for every other workload named,
-# the reference RoundPipe and HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
-# Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the whole output to $OUT/bench.log.
+# Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
+# placement-small, placement-cap24. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
+# Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
+# $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
+# screen ends with one SUMMARY line per record. No run goes past BENCH_CALL_S seconds (default 585) from the start:
+# the device kills a call at 600 s, and a run cut short by its own limit says so in the log.
 set -u
 cd "$(dirname "$0")/../.."
 : "${OUT:?set OUT to the folder the results go to (the device sets it)}"
@@ -14,6 +18,8 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
+WORKLOADS+=" placement placement-small placement-cap24"
+CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
 [ $# -gt 0 ] || usage
@@ -47,14 +53,23 @@ export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown} PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1 OUT
 
 # step SECONDS CMD...: one run in its own process (host peaks are per process, and the reference ends its process
-# when a worker fails) under its own time limit; the log keeps all its output, the screen its result lines.
+# when a worker fails) under its own time limit, cut to what is left of the call's BENCH_CALL_S (a run with under 20 s
+# left is skipped); the log keeps all its output, the screen its result lines and how long it took.
 step() {
-  local from
+  local from limit=$1 left=$((CALL_S - SECONDS)) start=$SECONDS
+  shift
   from=$(($(wc -l <"$LOG") + 1))
-  echo "=== $*" | tee -a "$LOG"
-  timeout "$@" >>"$LOG" 2>&1
-  [ $? = 124 ] && echo "timed out after $1 s" >>"$LOG"
-  tail -n +"$from" "$LOG" | grep -E "RESULT|OOM|Error|Traceback|timed out|re-planned|passed|failed|FAILED" \
+  if [ $left -lt 20 ]; then
+    echo "=== skipped (the call's ${CALL_S} s are spent): $*" | tee -a "$LOG"
+    return
+  fi
+  [ $left -lt "$limit" ] && limit=$left
+  echo "=== [${SECONDS} s] $limit $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  [ $? = 124 ] && echo "timed out after $limit s" >>"$LOG"
+  echo "took $((SECONDS - start)) s" >>"$LOG"
+  tail -n +"$from" "$LOG" \
+    | grep -E "RESULT|OOM|Error|Traceback|timed out|re-planned|passed|failed|FAILED|held-out|took" \
     | cut -c1-400 | tail -8
 }
 
@@ -63,6 +78,13 @@ ours() {
   local seconds=$1 workload=$2 system=$3
   shift 3
   step "$seconds" python3 benchmarks/run.py --out "$OUT/ours.jsonl" --workload "$workload" --system "$system" \
+    --nms auto "$@"
+}
+# warm_up SECONDS WORKLOAD SYSTEM FLAGS...: a throw-away run (a call's first run is slow), records apart.
+warm_up() {
+  local seconds=$1 workload=$2 system=$3
+  shift 3
+  step "$seconds" python3 benchmarks/run.py --out "$OUT/warmup.jsonl" --workload "$workload" --system "$system" \
     --nms auto "$@"
 }
 reference() { step "$1" python3 .anchors/rp.py "${@:2}"; }
@@ -97,6 +119,29 @@ run_ours() {
     ours 180 qwen3-1.7b-cap24-b1 roundpipe-engine --warm 1 --iters 1 --seqs 131072 --mlp-chunk-tokens 16384 ;;
   long-256k)  # about 75 s a step: a call of its own
     ours 480 qwen3-1.7b-cap24-b1 roundpipe-engine --warm 1 --iters 1 --seqs 262144 --mlp-chunk-tokens 16384 ;;
+  placement)  # issue 26: optimizer state on the GPU where it fits (auto) against all on the host, after a warm-up
+    w=qwen3-1.7b-full-s4096-b8
+    warm_up 60 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
+    for p in auto host; do  # the Trainer at its defaults: exact, max_grad_norm=1.0, logging_steps=10
+      ours 75 $w roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
+        --roundpipe optimizer_placement=$p
+    done
+    ours 75 $w roundpipe-engine --warm 2 --iters 8 --roundpipe optimizer_placement=auto
+    ours 75 $w roundpipe-engine --warm 2 --iters 8 --roundpipe optimizer_placement=host
+    ROUNDPIPE_ASYNC_OPTIMIZER=true ours 75 $w roundpipe-engine --warm 2 --iters 8 \
+      --roundpipe optimizer_placement=host ;;
+  placement-small)  # the 168M convergence preset, 300 steps from scratch: the plain Trainer in GPU memory (twice,
+    # the first a warm-up), RoundPipeTrainer at its default placement and all on the host; the same arguments
+    step 290 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf,hf \
+      --variant auto:optimizer_placement=auto --variant host:optimizer_placement=host --out "$OUT" ;;
+  placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
+    w=qwen3-4b-full-s4096-b8-cap24
+    warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
+    ours 100 $w roundpipe-engine --warm 2 --iters 4 --roundpipe optimizer_placement=auto
+    ours 100 $w roundpipe-engine --warm 2 --iters 4 --roundpipe optimizer_placement=host
+    w=llama3.1-8b-lora-s4096-b8-cap24
+    ours 130 $w roundpipe-engine --warm 2 --iters 3 --roundpipe optimizer_placement=auto
+    ours 130 $w roundpipe-engine --warm 2 --iters 3 --roundpipe optimizer_placement=host ;;
   esac
 }
 
@@ -117,6 +162,9 @@ run_anchors() {
       --section lora-8b-cap24-liger
     reference 150 --model llama3.1-8b --lora --seqs 4096 --gb 8 --nms 4 --iters 3 --cap 24 \
       --section lora-8b-cap24-reference ;;
+  placement)  # the in-GPU anchor on the same settings and step counts (the reference is in qwen3-1.7b's anchors)
+    in_gpu_liger 60 --model qwen3-1.7b --mode bf16 --seqs 4096 --gb 8 --mbs 8 --warm 2 --iters 8 \
+      --section placement-liger ;;
   long)  # sweeps stop at the first failure; ratios compare the longest sequence both ran
     in_gpu_liger 120 --model qwen3-1.7b --mode bf16 --seqs 16384,32768,65536 --gb 1 --mbs 1 --cap 24 \
       --section long-liger
@@ -131,3 +179,5 @@ for name in "${names[@]}"; do
   [ $anchors = 1 ] && run_anchors "$name"
 done
 ls -la "$OUT"
+python3 benchmarks/call_summary.py "$OUT/ours.jsonl" "$OUT/results.jsonl" "$OUT"/convergence_*.jsonl 2>&1 \
+  | tee -a "$LOG"

@@ -1,0 +1,77 @@
+"""The benchmark command line passes any RoundPipeConfig field through (`--roundpipe FIELD=VALUE`), and its records
+say where the optimizer state lived (the setting and what the engine placed); `call_summary.py` reads them back."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import call_summary, run  # noqa: E402
+
+
+def _records(out: Path, *flags: str) -> list[dict]:
+    run.main(["--workload", "tiny-llama-full-s16-b4", "--nms", "2", "--warm", "1", "--iters", "2", "--devices", "cpu",
+              "--out", str(out), *flags])
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_placement_passes_through_and_is_recorded(tmp_path, monkeypatch):
+    monkeypatch.delenv("ROUNDPIPE_OPTIMIZER_PLACEMENT", raising=False)
+    monkeypatch.delenv("ROUNDPIPE_ASYNC_OPTIMIZER", raising=False)
+    out = tmp_path / "ours.jsonl"
+    for placement in ("device", "host", "auto"):
+        _records(out, "--system", "roundpipe-engine", "--roundpipe", f"optimizer_placement={placement}")
+    device, host, auto = _records(out, "--system", "roundpipe-engine", "--roundpipe", "wait_timeout_s=300")[:3]
+    assert all(r["status"] == "ok" for r in (device, host, auto))
+    assert device["system"] == "roundpipe-engine-sync-optimizer-placement-device"
+    assert device["settings"]["optimizer_placement"] == "device"
+    assert device["settings"]["config"]["optimizer_placement"] == "device"
+    placed = device["settings"]["path"]["optimizer_placement"]
+    assert placed["device_buckets"] > 0 and placed["host_buckets"] == 0
+    # host is how every earlier record stepped: no suffix; auto on CPU workers keeps the host (the engine's rule)
+    assert host["system"] == auto["system"] == "roundpipe-engine-sync-optimizer"
+    assert host["settings"]["path"]["optimizer_placement"]["device_buckets"] == 0
+    assert auto["settings"]["path"]["optimizer_placement"]["device_buckets"] == 0
+    # the same initial weights in every run: the placements' losses compare step by step
+    assert device["losses"] == pytest.approx(host["losses"], abs=1e-4)
+    # any other field goes through too
+    (other,) = [json.loads(line) for line in out.read_text().splitlines()][3:]
+    assert other["settings"]["config"]["wait_timeout_s"] == 300
+
+
+@pytest.mark.parametrize("item, message", [("optimizer_placment=host", "did you mean optimizer_placement"),
+                                           ("devices=cpu", "give devices with --devices"),
+                                           ("optimizer_placement", "expected FIELD=VALUE")])
+def test_passthrough_refuses_before_running(tmp_path, capsys, item, message):
+    with pytest.raises(SystemExit):
+        run.main(["--workload", "tiny-llama-full-s16-b4", "--system", "roundpipe-engine", "--roundpipe", item,
+                  "--out", str(tmp_path / "x.jsonl")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_summary_divides_by_the_same_files_baseline(tmp_path):
+    ours = {"workload": "qwen3-1.7b-full-s4096-b8", "system": "roundpipe-trainer-sync-optimizer-clip1-placement-auto",
+            "tokens_per_s": 40000.0, "status": "ok", "losses": [10.5], "host_peak_gib": 12.0,
+            "settings": {"optimizer_placement": "auto", "optimizer_step": "sync", "max_grad_norm": 1.0,
+                         "logging_steps": 10, "path": {"optimizer_placement": {
+                             "device_buckets": 29, "host_buckets": 0, "device_gib": 25.4}}}}
+    anchor = {"section": "placement-liger", "method": "in-GPU bf16 +liger", "model": "qwen3-1.7b", "seq": 4096,
+              "global_batch": 8, "tokens_per_s_median": 32000.0, "status": "ok"}
+    plain = {"regime": "scratch", "system": "hf", "tokens_per_s": 100000.0, "final_eval_loss": 3.74, "settings": {}}
+    auto = {"regime": "scratch", "system": "auto", "tokens_per_s": 95000.0, "final_eval_loss": 3.74,
+            "settings": {"optimizer_mode": "sync (exact)", "roundpipe": {"optimizer_placement": "auto"}}}
+    files = []
+    for name, records in (("ours", [ours]), ("results", [anchor]), ("convergence", [plain, auto])):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = call_summary.main([str(f) for f in files] + [str(tmp_path / "missing.jsonl")])
+    (trainer,) = [line for line in lines if "placement-auto" in line]
+    assert "1.250x in-gpu-liger" in trainer and "auto (29/29 buckets, 25.4 GiB on device)" in trainer
+    assert "host 12.0 GiB" in trainer and "loss 10.5000" in trainer
+    (rp,) = [line for line in lines if line.startswith("scratch  auto")]
+    assert "0.950x hf" in rp and "held-out 3.7400" in rp and "placement auto" in rp
