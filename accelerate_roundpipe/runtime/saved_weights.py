@@ -41,7 +41,7 @@ def model_dtype_parameters(engine: RoundPipe) -> dict[str, torch.Tensor]:
         if id(param) not in made:
             source = slot.optim if slot.optim is not None else param
             # on the host, where the module's parameters are (an optimizer copy may be on its device)
-            made[id(param)] = source.detach().to(device=param.device, dtype=slot.model_dtype, copy=True)
+            made[id(param)] = source.detach().to(slot.model_dtype).to(param.device, copy=True)  # cast on the device
         out[name] = made[id(param)]
     return out
 
