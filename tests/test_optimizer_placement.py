@@ -95,9 +95,9 @@ def _expected_fresh(placement: str) -> set[str]:
 def plain_training(batches, lagged: bool = False, fresh: set[str] = frozenset()):
     """Plain PyTorch AdamW on the tied model: the accumulated gradients of each step's passes, clipped to MAX_NORM.
     Exact: every pass computes with the newest weights. Lagged: the parameters in `fresh` (device buckets) too; the
-    others, in the first pass after step k-1, with the weights from before that step (after k-2 steps; the initial
-    ones at first), in the later passes of the same accumulation with the newest (the held write-back lands once the
-    next pass has reserved its reads: the engine's lagged rule on the host, placement or not)."""
+    others, in every pass of the iteration after step k-1, with the weights from before that step (after k-2
+    steps; the initial ones at first): the held write-back lands at the next step, once all the iteration's passes
+    reserved their reads ([Note: write-backs held for the whole iteration])."""
     model = tied_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     previous = _snapshot(model)
@@ -105,11 +105,11 @@ def plain_training(batches, lagged: bool = False, fresh: set[str] = frozenset())
     for passes in batches:
         current = _snapshot(model)
         grads: dict[str, torch.Tensor] = {}
-        for index, (x, mask, y) in enumerate(passes):
+        for x, mask, y in passes:
             probe = tied_model()
             with torch.no_grad():
                 for name, p in probe.named_parameters():
-                    stale = lagged and name not in fresh and index == 0
+                    stale = lagged and name not in fresh
                     p.copy_(previous[name] if stale else current[name])
             nn.functional.cross_entropy(run_layers(probe, (x, mask)), y).backward()
             for name, p in probe.named_parameters():

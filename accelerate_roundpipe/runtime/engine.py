@@ -198,7 +198,6 @@ class RoundPipe(HostResidentModule):
         jobs = self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
         if results.profile is not None:
             self._plan.measured(results.profile, jobs, num_mb, rows)
-        self._launch.release_writebacks()
         with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):
             try:
                 losses = [loss.host()[0] for loss in results.take_losses(self._failure)]

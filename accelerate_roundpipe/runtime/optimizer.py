@@ -106,7 +106,13 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                              "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
         self._drop_pending_passes()
-        self.release_writebacks()  # an earlier step's write-back reads the optimizer copy this step overwrites
+        # [Note: write-backs held for the whole iteration]
+        # A lagged step's write-back is released here, at the next step, after every pass of the iteration in
+        # between reserved its reads: all of them compute with the same weights (after steps 0..k-2), as the
+        # staleness-1 rule says, with gradient accumulation too. Released at the next pass instead (as before),
+        # the first pass of an accumulation read the older weights and the later ones the newer, so one step's
+        # gradient mixed two versions. It also reads the optimizer copy this step overwrites: it goes first.
+        self.release_writebacks()
         hyper = hyper_parameters(self.param_groups)  # read now ([Note: one owner of the step's groups])
         clip, self._clip = self._clip, None
         policy = self._lagged if self.async_step and self.steps_taken >= self.exact_steps_first else self._exact
@@ -230,7 +236,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.thread.submit(lambda: self._write_back(bucket, ticket))
 
     def release_writebacks(self) -> None:
-        """Reserve the held write-backs after the reads reserved so far (called by the engine)."""
+        """Reserve the held write-backs after the reads reserved so far, at `step()`:
+        [Note: write-backs held for the whole iteration]."""
         held, self._held_writebacks = self._held_writebacks, []
         with self.failure.reserving("a write-back"):  # [Note: interrupted reservations]
             for bucket in held:

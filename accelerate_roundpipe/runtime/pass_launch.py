@@ -89,10 +89,6 @@ class PassLauncher:
             self.dispatch.wait_inflight()  # the passes in flight run with the copies' old setting
             self.adapters.show(setting, self.dispatch.layer_copies())
 
-    def release_writebacks(self) -> None:
-        if self.threads.optimizer is not None:
-            self.threads.optimizer.release_writebacks()
-
     def weight_epochs(self) -> list[int]:
         """The weight versions a forward kept for a backward computed with; its backward checks them unchanged."""
         return [b.new_versions_reserved for b in self.store.buckets]
@@ -112,7 +108,6 @@ class PassLauncher:
                         forward.saved_layers, input_dtypes=forward.input_dtypes, rng_stream=forward.rng_stream)
         results = PassResults(plan.index, saved_inputs=saved_inputs)
         jobs = self.dispatch.enqueue(self.schedule(len(rows), Mode.BACKWARD), plan, results, mb_grads)
-        self.release_writebacks()
         for job in jobs:
             job.done.get(self.failure)
         self.failure.check()
