@@ -62,6 +62,17 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
+def _on_device(placement) -> int:
+    """Bytes of optimizer state the placement keeps on devices, not in host memory ([Note: optimizer placement])."""
+    return placement.device_bytes() if placement is not None else 0
+
+
+def _host_bytes(store, placement) -> int:
+    """The store's estimate, less what the placement keeps on devices; never below the compute copies."""
+    compute = sum(b.compute.numel() * b.compute.element_size() for b in store.buckets)
+    return max(store.estimated_bytes - _on_device(placement), compute)
+
+
 def engine_summary(engine) -> str:
     """The start summary of `engine`, as lines of text (see the module docstring)."""
     config, store = engine.config, engine.host_store
@@ -83,7 +94,8 @@ def engine_summary(engine) -> str:
                      f"state sharded, weights all-gathered per bucket; gloo)")
     lines += [f"  {name}: {value}" for name, value in engine.summary_notes.items()]
     lines += [
-        f"  host memory: about {_size(store.estimated_bytes)} for the store ({_dtypes(store)}, with AdamW state), "
+        f"  host memory: about {_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
+        f"with AdamW state{' of the buckets on the host' if _on_device(placement) else ''}), "
         f"pinned: {'yes' if store.pin_memory else 'no'}",
         f"  trace: {config.trace_path} (written at the end of training and at exit)"
         if config.trace_path
