@@ -197,6 +197,52 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         finally:
             bucket.reads.end_write(write_ticket)
 
+    def _exact_device_steps(self, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+                            clip: GradientClip | None) -> None:
+        """[Note: device steps in one call]
+        Step the device buckets of `entries` (bucket, gradient turn, write turn; every gradient turn has come)
+        together, in their write turns: one optimizer call and one device wait, not one per bucket. With clipping
+        all are final at once, after the backward: on the 168M preset 14 one-by-one steps took 26 ms between two
+        iterations, mostly waiting for the GIL (each torch call releases it; other threads' Python kept it up to
+        the 5 ms switch interval), for 0.1 ms of kernels. Each bucket's step is independent: the same result."""
+        if len(entries) == 1:
+            self._exact_step(*entries[0], hyper, clip)
+            return
+        writes, turns = [], []
+        try:
+            for bucket, grad_ticket, write_ticket in entries:
+                bucket.reads.begin_write(write_ticket, self.failure, f"readers of {bucket} before its exact step")
+                writes.append((bucket, write_ticket))
+                bucket.grads.begin(grad_ticket, self.failure, f"gradients of {bucket} for the optimizer step")
+                turns.append((bucket, grad_ticket))
+            self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
+            faults.point("optimizer.step")
+            stepped = [(bucket, ticket) for bucket, ticket in turns if bucket.grad_valid]
+            scales = {}
+            for bucket, ticket in stepped:
+                self.layout.prepare_step(bucket, ticket)
+                groups = self.layout.steppers.groups(bucket, hyper)
+                scales[bucket.index] = clip.apply(bucket, groups) if clip is not None and groups else None
+            buckets = [bucket for bucket, _ in stepped]
+            if buckets:
+                with maybe_span(self.trace, f"optimizer {buckets[0].home}", f"step {len(buckets)} buckets"):
+                    if len(set(scales.values())) == 1:
+                        self.layout.steppers.step_together(buckets, hyper, scales[buckets[0].index])
+                    else:
+                        for bucket in buckets:
+                            self.layout.steppers.step(bucket, hyper, scales[bucket.index])
+                    for bucket in {str(b.home): b for b in buckets}.values():  # once per device
+                        bucket.settle()
+                for bucket in buckets:
+                    self.layout.finish_step(bucket)
+            for bucket, _ in turns:
+                bucket.versions.step_written(True)
+        finally:
+            for bucket, ticket in turns:
+                bucket.grads.end(ticket)
+            for bucket, ticket in writes:
+                bucket.reads.end_write(ticket)
+
     def stepped_without_write_back(self, buckets: list[Bucket]) -> None:
         """`buckets` got an exact step whose compute copies are not written yet. A bucket on a device is written
         only when someone looks (`synchronize`): its readers read the device's copy."""

@@ -57,6 +57,12 @@ class ExactStep:
                 ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], failure,
                                           f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
                 entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
+                if entry[0].home is not None:  # with the other device buckets ready: [Note: device steps in one call]
+                    batch = [pending[i] for i in ready if pending[i][0].home is not None]
+                    for each in batch:
+                        pending.remove(each)
+                    optimizer._exact_device_steps(batch, hyper, clip)
+                    continue
                 pending.remove(entry)
                 optimizer._exact_step(*entry, hyper, clip)
 
