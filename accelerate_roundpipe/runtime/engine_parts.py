@@ -28,7 +28,6 @@ from .measured_plan import MeasuredPlan
 from .microbatches import MicrobatchPolicy
 from .pass_launch import PassLauncher
 from .sync import FailureFlag
-from .thread_switch import SWITCH_INTERVAL_S, use_short_switch_interval
 from .torn import TornGuard
 
 logger = logging.getLogger(__name__)
@@ -58,9 +57,6 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     if uses_cuda and use_expandable_segments():
         logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "
                     "to choose the allocator settings yourself).")
-    if uses_cuda and use_short_switch_interval():  # [Note: GIL switch interval]
-        logger.info("RoundPipe set the interpreter's thread switch interval to %g s (sys.setswitchinterval before "
-                    "building the engine keeps yours).", SWITCH_INTERVAL_S)
     pin = config.pin_memory if config.pin_memory is not None else uses_cuda
     if pin and not torch.cuda.is_available():
         raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
