@@ -48,18 +48,18 @@ def rank_rows(rows: int, rank: int, world_size: int) -> slice:
 
 def reference_run(model, batches, async_optimizer: bool, clip: bool):
     """Plain PyTorch AdamW on the whole global batch; the passes of step k compute with the weights after k steps
-    (sync), or, async, the first with the weights after k-1 (staleness 1: step k-1's write-back is held until that
-    pass has reserved its reads) and the others after k, as one process does. Returns the losses, the norms, the
-    first step's gradients, the weights after every step and the optimizer."""
+    (sync), or, async, every pass of step k with the weights after k-1 (staleness 1: step k-1's write-back is held
+    until step k, [Note: write-backs held for the whole iteration]), as one process does. Returns the losses, the
+    norms, the first step's gradients, the weights after every step and the optimizer."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LRS[0], weight_decay=0.1)
     snapshots = [copy.deepcopy(model.state_dict())]
     losses, norms, first_grads, weights = [], [], None, []
     for k, micro in enumerate(batches):
         grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-        for a, (x, mask, y) in enumerate(micro):
+        for x, mask, y in micro:
             probe = copy.deepcopy(model)
-            probe.load_state_dict(snapshots[k - 1 if async_optimizer and a == 0 and k > 0 else k])
+            probe.load_state_dict(snapshots[k - 1 if async_optimizer and k > 0 else k])
             loss, g = reference_loss_and_grads(probe, x, mask, y)
             losses.append(loss)
             for n in grads:
