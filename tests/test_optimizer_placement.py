@@ -350,3 +350,35 @@ def test_settings_as_given_in_text(monkeypatch):
     config = RoundPipeConfig()
     assert config.optimizer_placement == "host" and config.optimizer_device_budget == 0.5
     assert RoundPipeConfig(optimizer_placement="device").optimizer_placement == "device"  # the argument wins
+
+
+class _NotElementwiseAdamW(torch.optim.AdamW):
+    """AdamW under another class: RoundPipe cannot know its update is per tensor, so it never steps buckets in one
+    call ([Note: device steps in one call])."""
+
+
+@pytest.mark.parametrize("optimizer_class, calls_per_step", [(torch.optim.AdamW, 1), (_NotElementwiseAdamW, None)])
+def test_device_buckets_ready_together_step_in_one_call(optimizer_class, calls_per_step):
+    """With clipping every device bucket's gradients are final at once: an element-wise optimizer steps them in one
+    call (its step hooks run once a step); another class is stepped bucket by bucket, as on the host; both give
+    plain torch's weights."""
+    engine = RoundPipe(tied_model(), _config("device"))
+    inner = optimizer_class(engine.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    calls: list[int] = []
+    inner.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append(1))
+    optimizer = engine.wrap_optimizer(inner)
+    buckets = len(engine.optimizer_placement.device_buckets)
+    assert buckets > 1
+    batches = _batches()
+    for passes in batches:
+        for x, mask, y in passes:
+            engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        optimizer.clip_grad_norm_(MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.synchronize()
+    assert len(calls) == STEPS * (calls_per_step or buckets)
+    _, ref_weights = plain_training(batches)
+    for name, p in engine.module.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_weights[-1][name], **TOL, msg=name)
+    engine.close()

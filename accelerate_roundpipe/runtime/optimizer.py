@@ -226,7 +226,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             buckets = [bucket for bucket, _ in stepped]
             if buckets:
                 with maybe_span(self.trace, f"optimizer {buckets[0].home}", f"step {len(buckets)} buckets"):
-                    if len(set(scales.values())) == 1:
+                    if len(set(scales.values())) == 1 and self.layout.steppers.steps_together:
                         self.layout.steppers.step_together(buckets, hyper, scales[buckets[0].index])
                     else:
                         for bucket in buckets:

@@ -26,13 +26,10 @@ from torch import nn
 from ..telemetry.trace import maybe_span
 from .gloo_exchange import DataParallelError, DataParallelGroup
 from .host_store import Bucket, HostStore
-from .steppers import BucketSteppers, prefer_fused
+from .steppers import ELEMENTWISE_OPTIMIZERS, BucketSteppers, prefer_fused
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and state (and scalars):
 # stepping any split of the elements separately is exactly the step of the whole.
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
 
 @dataclass(eq=False)

@@ -31,6 +31,11 @@ import torch
 from .host_store import Bucket
 
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW)
+# Optimizers whose update of a tensor reads that tensor's gradient and state only: stepping a bucket's shard, or
+# several buckets in one call, gives what stepping each whole bucket alone gives.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                          torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD)
 
 
 def prefer_fused(optimizer: torch.optim.Optimizer) -> None:
@@ -65,6 +70,8 @@ class BucketSteppers:
     def __init__(self, owner: torch.optim.Optimizer, pieces: dict[int, list[list[torch.Tensor]]]) -> None:
         # pieces: bucket index -> per group of the user's optimizer, the tensors of that bucket the stepper steps
         self._steppers: dict[int, tuple[torch.optim.Optimizer, list[int]]] = {}
+        # Several buckets may be stepped in one call ([Note: device steps in one call]) only when that is exact.
+        self.steps_together = type(owner) in ELEMENTWISE_OPTIMIZERS
         for index, per_group in pieces.items():
             members = [i for i, params in enumerate(per_group) if params]
             groups = [dict(owner.param_groups[i], params=list(per_group[i])) for i in members]
@@ -97,8 +104,9 @@ class BucketSteppers:
     def step_together(self, buckets: list[Bucket], hyper: list[dict[str, Any]],
                       grad_scale: float | None = None) -> None:
         """Step several buckets' parameters in one call of the optimizer's step: one multi-tensor kernel for all of
-        them instead of one per bucket ([Note: device steps in one call]). The same as stepping each with its own
-        stepper for an element-wise optimizer; hooks run once around the call. On the optimizer thread."""
+        them instead of one per bucket ([Note: device steps in one call]). Only for `steps_together` (an element-wise
+        optimizer: the same as stepping each with its own stepper); hooks run once around the call. On the optimizer
+        thread."""
         members = sorted({i for bucket in buckets for i in self._steppers[bucket.index][1]})
         params: dict[int, list[torch.Tensor]] = {i: [] for i in members}
         for bucket in buckets:
