@@ -39,9 +39,11 @@ def test_swapped_gradients_are_exact_and_buffers_are_recycled(num_devices, num_m
         optimizer.zero_grad()
     engine.close()
     assert swapped > 0, "no commit swapped its download in: the host did a copy per commit"
-    # Spares depend on how many downloads of one size happen to be in flight together (timing), but buffers not
-    # handed back would make every pass allocate one per commit.
-    assert counts[-1] - counts[1] <= 2, f"gradient buffers allocated anew every pass: {counts}"
+    # Spares depend on how many downloads of one size happen to be in flight together (timing: a loaded machine
+    # once needed 3 more after the second pass), at most about one more per bucket; buffers not handed back would
+    # make every pass allocate one per commit (6 passes x every bucket here).
+    buckets = len(engine._store.trainable_buckets)
+    assert counts[-1] - counts[1] <= buckets, f"gradient buffers allocated anew every pass: {counts}"
 
 
 def test_commits_into_gradients_already_there_add():
