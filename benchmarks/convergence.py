@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(value),
                                 help=f"default: the preset's (cpu-small: {value})")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"), help="directory of the JSONL")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
+                        help="sys.setswitchinterval for the whole process (every system) before training; default: "
+                             "CPython's 0.005 (issue 26: does the GIL's hand-over bound the 168M preset?)")
     parser.add_argument("--records", nargs="+", help="plot/document these JSONL files instead of training")
     parser.add_argument("--plot", action="store_true", help="write docs/assets/convergence_<preset>.png")
     parser.add_argument("--docs", action="store_true", help="update the preset's table in docs/convergence.md")
@@ -159,6 +162,9 @@ def run(args: argparse.Namespace, p: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+        print(f"thread switch interval: {sys.getswitchinterval()} s (every system of this run)")
     if args.records:
         records = [json.loads(line) for name in args.records for line in open(name) if line.strip()]
     else:
