@@ -27,13 +27,14 @@ def _engine(model):
 
 
 def _record(monkeypatch, name: str, log: list) -> None:
-    """Log (what, bucket, time) around `LaggedOptimizer.<name>`."""
+    """Log (what, bucket, time) around `LaggedOptimizer.<name>`, for each bucket of the list it takes first
+    (`(bucket, ticket, ...)` entries)."""
     original = getattr(LaggedOptimizer, name)
 
-    def recorded(self, bucket, *args):
-        log.append((f"{name} begins", bucket, time.monotonic()))
-        original(self, bucket, *args)
-        log.append((f"{name} ends", bucket, time.monotonic()))
+    def recorded(self, entries, *args):
+        log.extend((f"{name} begins", entry[0], time.monotonic()) for entry in entries)
+        original(self, entries, *args)
+        log.extend((f"{name} ends", entry[0], time.monotonic()) for entry in entries)
 
     monkeypatch.setattr(LaggedOptimizer, name, recorded)
 
@@ -44,7 +45,7 @@ def test_buckets_already_final_step_bottom_up_and_match_plain_adamw(monkeypatch)
     x, mask, y = batch()
     engine, optimizer = _engine(model)
     steps: list = []
-    _record(monkeypatch, "_step_bucket", steps)
+    _record(monkeypatch, "_step_buckets", steps)
     engine.forward_backward(x, mask, labels=y, loss_fn=torch.nn.functional.cross_entropy)
     engine.synchronize()  # every gradient is final before the step starts
     optimizer.step()
@@ -66,7 +67,7 @@ def test_buckets_already_final_step_bottom_up_and_match_plain_adamw(monkeypatch)
 def test_buckets_step_as_their_gradients_land_while_the_backward_runs(monkeypatch):
     engine, optimizer = _engine(tied_model())
     steps: list = []
-    _record(monkeypatch, "_step_bucket", steps)
+    _record(monkeypatch, "_step_buckets", steps)
     commits: list[float] = []
 
     def slow_commits(point: str) -> None:
@@ -89,7 +90,7 @@ def test_buckets_step_as_their_gradients_land_while_the_backward_runs(monkeypatc
 def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(monkeypatch):
     engine, optimizer = _engine(tied_model())
     log: list = []
-    _record(monkeypatch, "_exact_step", log)
+    _record(monkeypatch, "_exact_steps", log)
     store = engine._store
     bucket_of_host = {b.compute.data_ptr(): b for b in store.buckets}
     bucket_of_host.update({b.optim.data_ptr(): b for b in store.trainable_buckets})
@@ -117,7 +118,7 @@ def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(mo
         engine.synchronize()
     queued = next(t for what, _, t in log if what == "step queued")
     uploads = [(bucket.index, t) for what, bucket, t in log if what == "upload" and t > queued]
-    written = {bucket.index: t for what, bucket, t in log if what == "_exact_step ends"}
+    written = {bucket.index: t for what, bucket, t in log if what == "_exact_steps ends"}
     first_upload = min(t for _, t in uploads)
     assert first_upload < max(written.values()) - 0.02  # the first layer moved while the layers above were written
     for index, t in uploads:  # and no upload read a version before it was written

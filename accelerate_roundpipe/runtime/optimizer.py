@@ -70,7 +70,6 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
         self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
-        self._unshown_on_device: dict[int, Bucket] = {}  # steps on a device not yet copied into the compute copy
         self._clip: GradientClip | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
         prefer_fused(inner)  # before the layout copies the groups' settings
@@ -144,28 +143,58 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self._clip = clip
         return clip.pending_norm()
 
-    def _step_bucket(self, bucket: Bucket, ticket: int, hyper: list[dict[str, Any]],
-                     clip: GradientClip | None, current_for_readers: bool = False) -> None:
-        """Step `bucket`'s parameters in its gradient turn `ticket` (clipped by `clip`), with the hyper-parameters
-        `hyper` that `step()` read; with `current_for_readers` (an exact step, in its write turn) the next readers
-        read the new version in the optimizer copy ([Note: weight versions])."""
-        bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
+    def _step_buckets(self, turns: list[tuple[Bucket, int]], hyper: list[dict[str, Any]],
+                      clip: GradientClip | None, current_for_readers: bool = False) -> None:
+        """Step the buckets of `turns` (bucket, gradient turn; usually one) in their gradient turns, clipped by
+        `clip`, with the hyper-parameters `hyper` that `step()` read; with `current_for_readers` (an exact step, in
+        the buckets' write turns) the next readers read the new version in the optimizer copy
+        ([Note: weight versions]). Several buckets go in one optimizer call where that is exact
+        ([Note: device steps in one call])."""
+        begun: list[tuple[Bucket, int]] = []
         try:
+            for bucket, ticket in turns:
+                bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the optimizer step")
+                begun.append((bucket, ticket))
             self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
             faults.point("optimizer.step")
-            if bucket.grad_valid:
-                self.layout.prepare_step(bucket, ticket)
-                groups = self.layout.steppers.groups(bucket, hyper)
-                grad_scale = clip.apply(bucket, groups) if clip is not None else None
-                if groups:
-                    track = "optimizer" if bucket.home is None else f"optimizer {bucket.home}"
-                    with maybe_span(self.trace, track, f"step layers {list(bucket.layers)}"):
-                        self.layout.steppers.step(bucket, hyper, grad_scale)
-                        bucket.settle()  # [Note: device steps are synchronous]
-                self.layout.finish_step(bucket)
-            bucket.versions.step_written(current_for_readers)
+            stepping, scales = [], []
+            for bucket, ticket in begun:
+                if bucket.grad_valid:
+                    self.layout.prepare_step(bucket, ticket)
+                    groups = self.layout.steppers.groups(bucket, hyper)
+                    scale = clip.apply(bucket, groups) if clip is not None else None
+                    if groups:
+                        stepping.append(bucket)
+                        scales.append(scale)
+            if stepping:
+                self._run_steps(stepping, scales, hyper)
+            for bucket, _ in begun:
+                if bucket.grad_valid:
+                    self.layout.finish_step(bucket)
+                bucket.versions.step_written(current_for_readers)
         finally:
-            bucket.grads.end(ticket)
+            for bucket, ticket in begun:
+                bucket.grads.end(ticket)
+
+    def _run_steps(self, buckets: list[Bucket], scales: list[float | None], hyper: list[dict[str, Any]]) -> None:
+        """[Note: device steps in one call]
+        The optimizer's step over `buckets` (each with the `grad_scale` of its clip), then a wait for their
+        devices' kernels ([Note: device steps are synchronous]). Device buckets whose gradients are final together
+        go in one call, one kernel and one wait, where the optimizer is element-wise (the same result as one call
+        each): with clipping all are final at once, after the backward, and stepped one by one on the 168M preset
+        they took 26 ms between two iterations, mostly waiting for the GIL (each torch call releases it; other
+        threads' Python kept it up to the 5 ms switch interval), for 0.1 ms of kernels."""
+        steppers = self.layout.steppers
+        home = buckets[0].home
+        track = "optimizer" if home is None else f"optimizer {home}"
+        with maybe_span(self.trace, track, "step layers " + ", ".join(str(list(b.layers)) for b in buckets)):
+            if len(buckets) > 1 and len(set(scales)) == 1 and steppers.steps_together:
+                steppers.step_together(buckets, hyper, scales[0])
+            else:
+                for bucket, scale in zip(buckets, scales):
+                    steppers.step(bucket, hyper, scale)
+            for bucket in {str(b.home): b for b in buckets}.values():  # once per device
+                bucket.settle()
 
     def _write_back(self, bucket: Bucket, ticket: int) -> None:
         """Write the optimizer copy into the compute copy, in write turn `ticket`."""
@@ -188,66 +217,24 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
     # checkpoints, `state_dict()`) and before a lagged step, which writes the optimizer copies outside the read
     # tickets: `write_back_stale`.
 
-    def _exact_step(self, bucket: Bucket, grad_ticket: int, write_ticket: int, hyper: list[dict[str, Any]],
-                    clip: GradientClip | None) -> None:
-        """Step `bucket` in its write turn, where the next uploads read it ([Note: exact step without write-back])."""
-        bucket.reads.begin_write(write_ticket, self.failure, f"readers of {bucket} before its exact step")
+    def _exact_steps(self, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+                     clip: GradientClip | None) -> None:
+        """Step the buckets of `entries` (bucket, gradient turn, write turn) in their write turns, where the next
+        uploads read them ([Note: exact step without write-back])."""
+        writes: list[tuple[Bucket, int]] = []
         try:
-            self._step_bucket(bucket, grad_ticket, hyper, clip, True)
-        finally:
-            bucket.reads.end_write(write_ticket)
-
-    def _exact_device_steps(self, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
-                            clip: GradientClip | None) -> None:
-        """[Note: device steps in one call]
-        Step the device buckets of `entries` (bucket, gradient turn, write turn; every gradient turn has come)
-        together, in their write turns: one optimizer call and one device wait, not one per bucket. With clipping
-        all are final at once, after the backward: on the 168M preset 14 one-by-one steps took 26 ms between two
-        iterations, mostly waiting for the GIL (each torch call releases it; other threads' Python kept it up to
-        the 5 ms switch interval), for 0.1 ms of kernels. Each bucket's step is independent: the same result."""
-        if len(entries) == 1:
-            self._exact_step(*entries[0], hyper, clip)
-            return
-        writes, turns = [], []
-        try:
-            for bucket, grad_ticket, write_ticket in entries:
+            for bucket, _, write_ticket in entries:
                 bucket.reads.begin_write(write_ticket, self.failure, f"readers of {bucket} before its exact step")
                 writes.append((bucket, write_ticket))
-                bucket.grads.begin(grad_ticket, self.failure, f"gradients of {bucket} for the optimizer step")
-                turns.append((bucket, grad_ticket))
-            self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
-            faults.point("optimizer.step")
-            stepped = [(bucket, ticket) for bucket, ticket in turns if bucket.grad_valid]
-            scales = {}
-            for bucket, ticket in stepped:
-                self.layout.prepare_step(bucket, ticket)
-                groups = self.layout.steppers.groups(bucket, hyper)
-                scales[bucket.index] = clip.apply(bucket, groups) if clip is not None and groups else None
-            buckets = [bucket for bucket, _ in stepped]
-            if buckets:
-                with maybe_span(self.trace, f"optimizer {buckets[0].home}", f"step {len(buckets)} buckets"):
-                    if len(set(scales.values())) == 1 and self.layout.steppers.steps_together:
-                        self.layout.steppers.step_together(buckets, hyper, scales[buckets[0].index])
-                    else:
-                        for bucket in buckets:
-                            self.layout.steppers.step(bucket, hyper, scales[bucket.index])
-                    for bucket in {str(b.home): b for b in buckets}.values():  # once per device
-                        bucket.settle()
-                for bucket in buckets:
-                    self.layout.finish_step(bucket)
-            for bucket, _ in turns:
-                bucket.versions.step_written(True)
+            self._step_buckets([(bucket, grad_ticket) for bucket, grad_ticket, _ in entries], hyper, clip, True)
         finally:
-            for bucket, ticket in turns:
-                bucket.grads.end(ticket)
-            for bucket, ticket in writes:
-                bucket.reads.end_write(ticket)
+            for bucket, write_ticket in writes:
+                bucket.reads.end_write(write_ticket)
 
     def stepped_without_write_back(self, buckets: list[Bucket]) -> None:
         """`buckets` got an exact step whose compute copies are not written yet. A bucket on a device is written
         only when someone looks (`synchronize`): its readers read the device's copy."""
-        for bucket in buckets:
-            (self._stale_compute if bucket.home is None else self._unshown_on_device)[bucket.index] = bucket
+        self._stale_compute.update((bucket.index, bucket) for bucket in buckets if bucket.home is None)
 
     def hold_writeback(self, bucket: Bucket) -> None:
         """`bucket` got a lagged step whose write-back waits for the next iteration's reads."""
@@ -361,9 +348,9 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.thread.wait_idle()
         self.show_newest()
         self.failure.check()
-        unshown, self._unshown_on_device = self._unshown_on_device, {}
-        for bucket in unshown.values():  # the optimizer thread is idle: the device's copies are final
-            bucket.versions.show_current()
+        for bucket in self.store.trainable_buckets:  # the optimizer thread is idle: the device's copies are final
+            if bucket.home is not None:
+                bucket.versions.show_current()  # a no-op for a bucket whose compute copy shows its last step
 
     def close(self) -> None:
         self.thread.stop()

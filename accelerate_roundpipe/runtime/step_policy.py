@@ -1,5 +1,5 @@
 """The two ways one optimizer step is scheduled on the optimizer thread: exact (the default) and lagged by one
-iteration (`async_optimizer`). Both step each bucket the same way (`RoundPipeOptimizer._step_bucket`); they differ
+iteration (`async_optimizer`). Both step each bucket the same way (`RoundPipeOptimizer._step_buckets`); they differ
 in the tickets they reserve and in when the stepped weights reach the compute copies ([Note: one-step lag]).
 """
 
@@ -45,7 +45,7 @@ class ExactStep:
         def step_in_fixed_order() -> None:
             for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
                 failure.check()
-                optimizer._exact_step(bucket, grad_ticket, write_ticket, hyper, clip)
+                optimizer._exact_steps([(bucket, grad_ticket, write_ticket)], hyper, clip)
 
         if optimizer.layout.fixed_order:
             return step_in_fixed_order
@@ -57,14 +57,12 @@ class ExactStep:
                 ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], failure,
                                           f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
                 entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
-                if entry[0].home is not None:  # with the other device buckets ready: [Note: device steps in one call]
-                    batch = [pending[i] for i in ready if pending[i][0].home is not None]
-                    for each in batch:
-                        pending.remove(each)
-                    optimizer._exact_device_steps(batch, hyper, clip)
-                    continue
-                pending.remove(entry)
-                optimizer._exact_step(*entry, hyper, clip)
+                # a device bucket goes with the other device buckets ready: [Note: device steps in one call]
+                on_device = entry[0].home is not None
+                batch = [pending[i] for i in ready if pending[i][0].home is not None] if on_device else [entry]
+                for each in batch:
+                    pending.remove(each)
+                optimizer._exact_steps(batch, hyper, clip)
 
         return step_as_gradients_land
 
@@ -89,11 +87,10 @@ class LaggedStep:
             if bucket.home is not None:
                 write_ticket = bucket.reads.reserve_write()
                 bucket.versions.reserve_new_version()
-                optimizer.thread.submit(lambda bucket=bucket, ticket=ticket, write_ticket=write_ticket:
-                                        optimizer._exact_step(bucket, ticket, write_ticket, hyper, clip))
+                optimizer.thread.submit(lambda entry=(bucket, ticket, write_ticket):
+                                        optimizer._exact_steps([entry], hyper, clip))
                 on_device.append(bucket)
                 continue
-            optimizer.thread.submit(lambda bucket=bucket, ticket=ticket:
-                                    optimizer._step_bucket(bucket, ticket, hyper, clip))
+            optimizer.thread.submit(lambda turn=(bucket, ticket): optimizer._step_buckets([turn], hyper, clip))
             optimizer.hold_writeback(bucket)
         optimizer.stepped_without_write_back(on_device)
