@@ -20,10 +20,14 @@ class ExactStep:
     """Iteration k+1 reads the weights after step k: each bucket steps in its write turn, straight into the
     optimizer copy the next uploads read ([Note: exact step without write-back])."""
 
+    @staticmethod
+    def reserve(bucket: Bucket) -> tuple[Bucket, int, int]:
+        """An exact step's turns of `bucket` (its gradients, its write), and the new version its readers will get."""
+        bucket.versions.reserve_new_version()
+        return bucket, bucket.grads.reserve(), bucket.reads.reserve_write()
+
     def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
-        entries = [(bucket, bucket.grads.reserve(), bucket.reads.reserve_write()) for bucket in optimizer.step_order]
-        for bucket in optimizer.step_order:
-            bucket.versions.reserve_new_version()
+        entries = [self.reserve(bucket) for bucket in optimizer.step_order]
         optimizer.thread.submit(self._job(optimizer, entries, hyper, clip))
         optimizer.stepped_without_write_back(optimizer.step_order)
 
@@ -83,14 +87,12 @@ class LaggedStep:
         optimizer.write_back_stale()
         on_device = []
         for bucket in optimizer.step_order:  # backward order: each job waits only for its own bucket's gradients
-            ticket = bucket.grads.reserve()
-            if bucket.home is not None:
-                write_ticket = bucket.reads.reserve_write()
-                bucket.versions.reserve_new_version()
-                optimizer.thread.submit(lambda entry=(bucket, ticket, write_ticket):
-                                        optimizer._exact_steps([entry], hyper, clip))
+            if bucket.home is not None:  # [Note: device steps are exact]
+                entry = ExactStep.reserve(bucket)
+                optimizer.thread.submit(lambda entry=entry: optimizer._exact_steps([entry], hyper, clip))
                 on_device.append(bucket)
                 continue
-            optimizer.thread.submit(lambda turn=(bucket, ticket): optimizer._step_buckets([turn], hyper, clip))
+            turn = (bucket, bucket.grads.reserve())
+            optimizer.thread.submit(lambda turn=turn: optimizer._step_buckets([turn], hyper, clip))
             optimizer.hold_writeback(bucket)
         optimizer.stepped_without_write_back(on_device)
