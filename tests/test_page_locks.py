@@ -74,3 +74,17 @@ def test_unpinned_memory_locks_nothing():
     memory = HostMemory(pinned=False, locks=locks)
     _fill(memory)
     assert locks.locked == {} and memory.locked_bytes == 0
+
+
+def test_buffers_given_back_are_unlocked_and_the_others_stay_locked():
+    """A bucket whose optimizer copy and gradient moved to its device gives their host buffers back
+    ([Note: optimizer placement]): those are unlocked, the rest stay locked until release."""
+    locks = RecordingLocks()
+    memory = HostMemory(pinned=True, locks=locks)
+    buffers = [memory.zeros(2**20 + k, torch.float32) for k in range(4)]
+    memory.give_back(buffers[1], None, buffers[3])
+    assert locks.unlocked == [buffers[1].data_ptr(), buffers[3].data_ptr()]
+    assert set(locks.locked) == {buffers[0].data_ptr(), buffers[2].data_ptr()}
+    assert memory.locked_bytes == sum(b.numel() * b.element_size() for b in (buffers[0], buffers[2]))
+    memory.release()
+    assert not locks.locked

@@ -79,18 +79,13 @@ class _LockedBuffers:
         with self.mutex:
             return sum(t.numel() * t.element_size() for t in self.buffers)
 
-    def unlock_some(self, pointers: set[int]) -> None:
+    def unlock_all(self, pointers: set[int] | None = None) -> None:
+        """Unlock the buffers (those at `pointers` only, when given) and let go of them."""
         with self.mutex:
-            some = [t for t in self.buffers if t.data_ptr() in pointers]
-            self.buffers = [t for t in self.buffers if t.data_ptr() not in pointers]
-        if some and not self.locks.unlock(some):
-            _NEVER_FREED.extend(some)
-
-    def unlock_all(self) -> None:
-        with self.mutex:
-            buffers, self.buffers = self.buffers, []
-        if buffers and not self.locks.unlock(buffers):
-            _NEVER_FREED.extend(buffers)
+            chosen = [t for t in self.buffers if pointers is None or t.data_ptr() in pointers]
+            self.buffers = [t for t in self.buffers if pointers is not None and t.data_ptr() not in pointers]
+        if chosen and not self.locks.unlock(chosen):
+            _NEVER_FREED.extend(chosen)
 
 
 class HostMemory:
@@ -120,7 +115,7 @@ class HostMemory:
     def give_back(self, *buffers: torch.Tensor) -> None:
         """Unlock `buffers` (no longer used by the engine: a bucket moved to its device) so their memory is freed
         with them; waits for the devices first, as `release` does."""
-        self._locked.unlock_some({t.data_ptr() for t in buffers if t is not None})
+        self._locked.unlock_all({t.data_ptr() for t in buffers if t is not None})
 
     def release(self) -> None:
         """Unlock everything (waits for the devices first: a copy may still be reading or writing)."""
