@@ -28,10 +28,11 @@ class ExactStep:
 
     def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
         entries = [self.reserve(bucket) for bucket in optimizer.step_order]
-        optimizer.thread.submit(self._job(optimizer, entries, hyper, clip))
+        optimizer.thread.submit(self.job(optimizer, entries, hyper, clip))
         optimizer.stepped_without_write_back(optimizer.step_order)
 
-    def _job(self, optimizer: RoundPipeOptimizer, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+    @staticmethod
+    def job(optimizer: RoundPipeOptimizer, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
              clip: GradientClip | None) -> Callable[[], None]:
         """[Note: exact step order]
         One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
@@ -85,14 +86,13 @@ class LaggedStep:
         # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
         # entitled to back into the compute copies ([Note: exact step without write-back]).
         optimizer.write_back_stale()
-        on_device = []
+        # [Note: device steps are exact]: the device buckets first, as an exact step of their own (together and
+        # bottom-up), so the next forward never waits behind the host's lagged steps, which the lag hides anyway.
+        on_device = [ExactStep.reserve(bucket) for bucket in optimizer.step_order if bucket.home is not None]
+        if on_device:
+            optimizer.thread.submit(ExactStep.job(optimizer, on_device, hyper, clip))
         for bucket in optimizer.step_order:  # backward order: each job waits only for its own bucket's gradients
-            if bucket.home is not None:  # [Note: device steps are exact]
-                entry = ExactStep.reserve(bucket)
-                optimizer.thread.submit(lambda entry=entry: optimizer._exact_steps([entry], hyper, clip))
-                on_device.append(bucket)
-                continue
-            turn = (bucket, bucket.grads.reserve())
-            optimizer.thread.submit(lambda turn=turn: optimizer._step_buckets([turn], hyper, clip))
-            optimizer.hold_writeback(bucket)
-        optimizer.stepped_without_write_back(on_device)
+            if bucket.home is None:
+                turn = (bucket, bucket.grads.reserve())
+                optimizer.thread.submit(lambda turn=turn: optimizer._step_buckets([turn], hyper, clip))
+                optimizer.hold_writeback(bucket)
