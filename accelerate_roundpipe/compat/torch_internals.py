@@ -1,6 +1,7 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
 the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout, the engine's autograd
-nodes), `runtime/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the vectorised norms)."""
+nodes), `runtime/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the vectorised norms),
+`runtime/host_resident.py` (what `.to()` asks for)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,15 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not callable(norms):
         raise LibraryChangedError(LIBRARY, reach, "it is no longer callable")
     return norms(tensors)
+
+
+def parse_to_arguments(*args, **kwargs) -> tuple:
+    """`nn.Module.to`'s arguments read as torch reads them, (device, dtype, non_blocking, memory_format): torch's
+    private `torch._C._nn._parse_to` (torch 2.11 and 2.13), by which `HostResidentModule.to` tells a no-op `.to()`
+    from a move it refuses."""
+    reach = "torch._C._nn._parse_to"
+    parse = require_attribute(torch._C._nn, "_parse_to", LIBRARY, reach)
+    parsed = parse(*args, **kwargs)
+    if not isinstance(parsed, tuple) or len(parsed) != 4:
+        raise LibraryChangedError(LIBRARY, reach, "it no longer returns (device, dtype, non_blocking, memory_format)")
+    return parsed

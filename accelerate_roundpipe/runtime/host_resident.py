@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..compat.torch_internals import parse_to_arguments
+
 
 class HostResidentModule(nn.Module):
     def to(self, *args, **kwargs):
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _, _ = parse_to_arguments(*args, **kwargs)
         if dtype is None and (device is None or torch.device(device).type == "cpu"):
             return self
         raise RuntimeError("RoundPipe keeps the weights in host memory and moves them itself: do not call .to()/"

@@ -480,6 +480,14 @@ def test_the_backward_node_class_of_an_autograd_function():
         torch_internals.backward_node_class(type("Double", (), {}))
 
 
+def test_to_arguments_are_read_as_torch_reads_them(monkeypatch):
+    assert torch_internals.parse_to_arguments("cpu")[:2] == (torch.device("cpu"), None)
+    assert torch_internals.parse_to_arguments(dtype=torch.float16)[1] == torch.float16
+    monkeypatch.setattr(torch._C._nn, "_parse_to", lambda *args, **kwargs: (None, None))
+    with changed("torch", r"_parse_to"):
+        torch_internals.parse_to_arguments("cpu")
+
+
 # ---------------------------------------------------------------------- the stock-script launcher
 
 
