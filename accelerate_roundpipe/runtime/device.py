@@ -349,8 +349,9 @@ class Device(abc.ABC):
         return Payload(host, event)
 
     def download_grads_into(self, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Payload:
-        """Copy each flat device gradient into the host buffer `outs[i]`, converting to its dtype on the way (on the
-        device, a slice at a time, so the converted copy never needs a whole bucket's worth of device memory).
+        """Copy each flat device gradient into the host buffer `outs[i]` (or, for a bucket kept on a device, the device
+        buffer), converting to its dtype on the way (on the device, a slice at a time, so the converted copy never
+        needs a whole bucket's worth of device memory).
         The payload's tensors are `outs` followed by one host tensor of their squared L2 norms, in `outs`' dtype,
         measured where the gradients are ([Note: device norms])."""
         faults.point("transfer.download")
@@ -362,9 +363,12 @@ class Device(abc.ABC):
             begin()
             for grad, out in zip(grads, outs):
                 flat = grad.detach()
-                for start in range(0, flat.numel(), GRAD_DOWNLOAD_SLICE):
-                    end = start + GRAD_DOWNLOAD_SLICE
-                    self._copy_to_host(out[start:end], flat[start:end])
+                if out.device.type != "cpu":  # a bucket kept on a device ([Note: optimizer placement]): cast there
+                    self._copy_on_device(out, flat)
+                else:
+                    for start in range(0, flat.numel(), GRAD_DOWNLOAD_SLICE):
+                        end = start + GRAD_DOWNLOAD_SLICE
+                        self._copy_to_host(out[start:end], flat[start:end])
                 self._hold(flat, stream)
             host_squares = self._page_locked_empty(squares.shape, squares.dtype)
             self._copy_to_host(host_squares, squares)

@@ -60,12 +60,16 @@ class MeasuredPlan:
         self.config, self.devices, self.store = config, devices, store
         self.enabled = config.resolved_plan == "measured"
         self.budget_bytes = memory_budget_bytes(config, devices)
-        self.keep_limit_bytes = 0 if self.enabled else int((self.budget_bytes or 0) * SAVED_INPUT_SHARE)
+        self.keep_limit_bytes = 0 if self.enabled else self._static_keep_limit()
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
         self._measure_next = self.enabled
         self._measured: tuple[LayerProfile, list, int, int] | None = None
+
+    def _static_keep_limit(self) -> int:
+        """What saved inputs may keep on the device under a static plan ([Note: saved inputs])."""
+        return int((self.budget_bytes or 0) * SAVED_INPUT_SHARE)
 
     def place_optimizer_state(self, optimizer, data_parallel: bool) -> OptimizerPlacement:
         """Place the optimizer state of `optimizer` (being wrapped) and plan the stages in the memory it leaves
@@ -77,7 +81,7 @@ class MeasuredPlan:
             homes = {p.home for p in placement.places if p.home is not None}
             self.budget_bytes -= max(placement.device_bytes(home) for home in homes)
             if not self.enabled:
-                self.keep_limit_bytes = int(self.budget_bytes * SAVED_INPUT_SHARE)
+                self.keep_limit_bytes = self._static_keep_limit()
         return placement
 
     def profile_for_pass(self, num_layers: int) -> LayerProfile | None:

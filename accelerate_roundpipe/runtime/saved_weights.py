@@ -41,7 +41,9 @@ def model_dtype_parameters(engine: RoundPipe) -> dict[str, torch.Tensor]:
         if id(param) not in made:
             source = slot.optim if slot.optim is not None else param
             # on the host, where the module's parameters are (an optimizer copy may be on its device)
-            made[id(param)] = source.detach().to(slot.model_dtype).to(param.device, copy=True)  # cast on the device
+            source = source.detach()
+            made[id(param)] = (source.to(slot.model_dtype, copy=True) if source.device == param.device
+                               else source.to(slot.model_dtype).to(param.device))  # cast on the device, then copy
         out[name] = made[id(param)]
     return out
 

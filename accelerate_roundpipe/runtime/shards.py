@@ -26,10 +26,7 @@ from torch import nn
 from ..telemetry.trace import maybe_span
 from .gloo_exchange import DataParallelError, DataParallelGroup
 from .host_store import Bucket, HostStore
-from .steppers import ELEMENTWISE_OPTIMIZERS, BucketSteppers, prefer_fused
-
-# Optimizers whose update of an element reads only that element's parameter, gradient and state (and scalars):
-# stepping any split of the elements separately is exactly the step of the whole.
+from .steppers import ELEMENTWISE_OPTIMIZERS, BucketSteppers, hyper_parameters, prefer_fused
 
 
 @dataclass(eq=False)
@@ -149,7 +146,8 @@ on the optimizer thread; see [Note: data parallel]."""
 
     @staticmethod
     def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in group.items() if k != "params"}
+        """One group's settings, as `step()` reads them (a tensor cloned)."""
+        return hyper_parameters([group])[0]
 
     @property
     def layout(self) -> list[list]:
@@ -183,7 +181,7 @@ on the optimizer thread; see [Note: data parallel]."""
         self.optimizer.load_state_dict(state)
         for theirs, mine in zip(self.user.param_groups, self.optimizer.param_groups):
             theirs.update(self._hyper(mine))
-        prefer_fused(self.optimizer)
+        prefer_fused(self.user)  # the groups `step()` reads: a plain state dict's fused=None would unfuse them
         self.steppers.share_state(self.optimizer.state)
 
     def _shard_of_full(self, full: dict[str, Any]) -> dict[str, Any]:
