@@ -68,6 +68,7 @@ def test_the_documented_loop_warns_nothing_and_follows_the_schedule(scheduler_on
         assert messages == []
         buckets = len(engine._store.trainable_buckets)
         assert buckets >= 1 and len(scheduled) == STEPS
+        assert scheduled == pytest.approx([0.1 / (step + 1) for step in range(STEPS)])  # the schedule moved
         assert used == [lr for lr in scheduled for _ in range(buckets)]
         if not async_optimizer:
             weights = dict(engine.module.named_parameters())

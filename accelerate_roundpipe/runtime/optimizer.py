@@ -104,6 +104,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             raise ValueError("RoundPipe's optimizer takes no closure: the step runs in the background after the "
                              "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
+        # [Note: scheduler step count]; first, so that a library check failing in it leaves nothing half-stepped
+        mark_stepped_for_scheduler(self.inner)
         self._drop_pending_passes()
         # [Note: write-backs held for the whole iteration]
         # A lagged step's write-back is released here, at the next step, after every pass of the iteration in
@@ -116,7 +118,6 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         clip, self._clip = self._clip, None
         policy = self._lagged if self.async_step and self.steps_taken >= self.exact_steps_first else self._exact
         self.steps_taken += 1
-        mark_stepped_for_scheduler(self.inner)  # [Note: scheduler step count]
         with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
             policy.schedule(self, hyper, clip)
 
