@@ -119,8 +119,8 @@ class CausalLMRoundPipe(RoundPipe):
             mask = batch.get("attention_mask")
             local_tokens = float(mask.sum()) if mask is not None and mask.shape[1] else \
                 float(tokens.shape[0] * tokens.shape[1])
-        items, tokens, _ = self.sum_over_ranks(
-            [local_items, local_tokens, 0.0], "the all-reduce of the label and token counts of the global batch")
+        items, tokens = self.sum_over_ranks(
+            [local_items, local_tokens], "the all-reduce of the label and token counts of the global batch")
         if batch.get("num_items_in_batch") is None:
             batch["num_items_in_batch"] = torch.tensor(int(items))
         return int(tokens) if has_router_aux else None

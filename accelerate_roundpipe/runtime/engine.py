@@ -185,8 +185,9 @@ class RoundPipe(HostResidentModule):
             if not isinstance(error, EngineClosedError):
                 self._exchange.pass_failed(error, "the start of a training pass", self._failure)
             raise
-        totals = self.sum_over_ranks(
-            totals, f"the exchange of label counts at the start of pass {self._passes.num_passes}")
+        if loss_reduction == "mean":  # a sum of losses weighs each micro-batch 1: no counts to exchange
+            totals = self.sum_over_ranks(
+                totals, f"the exchange of label counts at the start of pass {self._passes.num_passes}")
         self.counters.count(inputs[0])
         shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
         scale = self._deferred.expected_scale if deferred else grad_scale
@@ -213,8 +214,8 @@ class RoundPipe(HostResidentModule):
         return DeferredLoss.apply(self, self._deferred, results.deferred, torch.empty(0, requires_grad=True), total)
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
-        """`values` summed over the data-parallel ranks (on one process, `values`), on the caller's thread; every
-        rank calls it at the same point. A failure fails the engine too ([Note: data parallel])."""
+        """`values` (at most three) summed over the data-parallel ranks (on one process, `values`), on the caller's
+        thread; every rank calls it at the same point. A failure fails the engine too ([Note: data parallel])."""
         return self._on_caller_thread(lambda: self._exchange.sum_over_ranks(values, what))
 
     def _on_caller_thread(self, collective: Callable[[], Any]) -> Any:

@@ -74,6 +74,8 @@ from .host_store import HostStore
 from .rank_settings import differences
 from .sync import POLL_S, FailureFlag
 
+EXCHANGE_WIDTH = 3  # values a per-pass exchange carries at most (the label totals of `loss_count_totals`)
+
 logger = logging.getLogger(__name__)
 COLLECTIVE_STREAMS = 8  # gloo groups the optimizer thread's large collectives are cut over ([Note: data parallel])
 MIN_STREAM_ELEMENTS = 1 << 20  # per rank and chunk: below it a bucket goes as one collective
@@ -267,12 +269,16 @@ class DataParallelGroup:
         return self.dist.get_global_rank(self.caller_group, group_rank)
 
     def exchange(self, values: list[float], what: str) -> list[float]:
-        """Sum `values` over the ranks (the caller's per-pass exchange, three values). A rank that failed joins it
-        through `tell_failure` instead: every other rank then raises a `DataParallelError` naming it and its error."""
-        packed = torch.zeros(len(values) + self.world_size, dtype=torch.float64)
+        """Sum `values` (at most `EXCHANGE_WIDTH`) over the ranks: the caller's per-pass exchanges. A rank that failed
+        joins it through `tell_failure` instead: every other rank then raises a `DataParallelError` naming it and
+        its error. Every exchange has the same size, whatever the caller sums, so that a failure report always
+        meets it (a collective of another size aborts the process)."""
+        if len(values) > EXCHANGE_WIDTH:
+            raise ValueError(f"a per-pass exchange sums at most {EXCHANGE_WIDTH} values; got {len(values)}.")
+        packed = torch.zeros(EXCHANGE_WIDTH + self.world_size, dtype=torch.float64)
         packed[:len(values)] = torch.tensor(values, dtype=torch.float64)
         self._run(what, lambda: self.dist.all_reduce(packed, group=self.caller_group))
-        failed = [r for r in range(self.world_size) if packed[len(values) + r] > 0]
+        failed = [r for r in range(self.world_size) if packed[EXCHANGE_WIDTH + r] > 0]
         if not failed:
             return packed[:len(values)].tolist()
         messages = self._gather_errors("")
@@ -281,11 +287,11 @@ class DataParallelGroup:
             f"them at {what}): " + "; ".join(f"rank {r}: {messages[r]}" for r in failed)
             + ". The whole group stops: fix the failing rank and resume every rank from the last checkpoint.")
 
-    def tell_failure(self, error: BaseException, where: str, width: int = 3) -> None:
+    def tell_failure(self, error: BaseException, where: str) -> None:
         """Join the exchange the other ranks wait in with this rank's failure (`error`, raised at `where`) flagged;
         quietly gives up when that collective fails too (a peer is gone already)."""
-        packed = torch.zeros(width + self.world_size, dtype=torch.float64)
-        packed[width + self.rank] = 1.0
+        packed = torch.zeros(EXCHANGE_WIDTH + self.world_size, dtype=torch.float64)
+        packed[EXCHANGE_WIDTH + self.rank] = 1.0
         try:
             self._run(f"the report of rank {self.rank}'s failure", lambda: self.dist.all_reduce(
                 packed, group=self.caller_group))
@@ -351,7 +357,7 @@ class DataParallelGroup:
 
     def global_loss(self, loss: torch.Tensor, what: str) -> torch.Tensor:
         """The loss of the global batch: every rank's share of it, added."""
-        total = self.exchange([float(loss), 0.0, 0.0], what)[0]
+        total = self.exchange([float(loss)], what)[0]
         return torch.tensor(total, dtype=torch.float64).to(loss.dtype)
 
     def pass_failed(self, error: BaseException, where: str, failure: FailureFlag) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .gloo_exchange import DataParallelGroup
+from .gloo_exchange import EXCHANGE_WIDTH, DataParallelGroup
 from .host_store import HostStore
 from .rank_settings import wants_data_parallel
 from .sync import FailureFlag
@@ -48,6 +48,8 @@ class NoExchange:
         return WholeBuckets(user, store)
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
+        if len(values) > EXCHANGE_WIDTH:  # refused here too, so that one process finds the mistake
+            raise ValueError(f"a per-pass exchange sums at most {EXCHANGE_WIDTH} values; got {len(values)}.")
         return values
 
     def global_loss(self, loss: torch.Tensor, what: str) -> torch.Tensor:
