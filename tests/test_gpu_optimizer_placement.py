@@ -40,7 +40,13 @@ def plain_cuda_training(model: nn.Sequential, data) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu() for n, p in model.state_dict().items()}
 
 
+@pytest.fixture(autouse=True)
+def no_tf32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # for this file's tests only
+
+
 def engine_training(model, data, devices, placement, budget=None, async_optimizer=False, look=False):
+    """The engine's weights after `data`; returns the engine, still open (the caller closes it)."""
     engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(
         devices=devices, num_microbatches=2, seed=0, optimizer_placement=placement, optimizer_device_budget=budget,
         async_optimizer=async_optimizer))
@@ -61,39 +67,44 @@ def engine_training(model, data, devices, placement, budget=None, async_optimize
 def mixed_budget_gib(model) -> float:
     """A budget that places the first trainable buckets but not all (measured on an engine of the model)."""
     probe = RoundPipe(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"], optimizer_placement="host"))
-    sizes = [device_bytes_of(b, 2) for b in sorted(probe.host_store.trainable_buckets, key=lambda b: min(b.layers))]
-    probe.close()
+    try:
+        sizes = [device_bytes_of(b, 2) for b in sorted(probe.host_store.trainable_buckets,
+                                                       key=lambda b: min(b.layers))]
+    finally:
+        probe.close()
     return (sum(sizes[: len(sizes) // 2]) + 1) / 2**30
 
 
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:0"]])
 @pytest.mark.parametrize("placement", ["host", "device", "mixed"])
 def test_every_placement_steps_as_plain_torch_on_the_gpu(devices, placement):
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = tied_model().float()
     data = batches()
     expected = plain_cuda_training(model, data)
     budget = mixed_budget_gib(model) if placement == "mixed" else None
     engine, weights = engine_training(model, data, devices, "device" if placement == "mixed" else placement, budget)
-    where = engine.optimizer_placement
-    if placement == "host":
-        assert where.device_buckets == []
-    elif placement == "device":
-        assert where.host_buckets == []
-    else:
-        assert where.device_buckets and where.host_buckets, str(where)
-    for index in where.device_buckets:
-        bucket = engine.host_store.buckets[index]
-        assert bucket.home == torch.device("cuda:0") and bucket.optim.is_cuda and bucket.grad.is_cuda
-    for name, value in expected.items():
-        assert_close(weights[name].double(), value.double(), 2e-5, f"{placement}: {name}")
-    engine.close()
+    try:
+        where = engine.optimizer_placement
+        if placement == "host":
+            assert where.device_buckets == []
+        elif placement == "device":
+            assert where.host_buckets == []
+        else:
+            assert where.device_buckets and where.host_buckets, str(where)
+        for index in where.device_buckets:
+            bucket = engine.host_store.buckets[index]
+            assert bucket.home == torch.device("cuda:0") and bucket.optim.is_cuda and bucket.grad.is_cuda
+        for name, value in expected.items():
+            assert_close(weights[name].double(), value.double(), 2e-5, f"{placement}: {name}")
+    finally:
+        engine.close()
 
 
 def test_device_steps_are_exact_with_async_optimizer_and_looking_changes_nothing():
     model = tied_model().float()
     data = batches()
-    _, exact = engine_training(model, data, ["cuda:0", "cuda:0"], "device")
+    engine, exact = engine_training(model, data, ["cuda:0", "cuda:0"], "device")
+    engine.close()
     engine, lagged = engine_training(model, data, ["cuda:0", "cuda:0"], "device", async_optimizer=True, look=True)
     engine.close()
     for name, value in exact.items():
@@ -104,7 +115,8 @@ def test_device_steps_are_exact_with_async_optimizer_and_looking_changes_nothing
 def test_a_checkpoint_resumes_under_another_placement(first, then):
     model = tied_model().float()
     data = batches()
-    _, uninterrupted = engine_training(model, data, ["cuda:0"], first)
+    engine, uninterrupted = engine_training(model, data, ["cuda:0"], first)
+    engine.close()
     engine, _ = engine_training(model, data[:2], ["cuda:0"], first)
     optimizer_state = copy.deepcopy(engine.optimizer.state_dict())
     copies = {n: p.detach().cpu().clone() for n, p in engine.named_parameters()}

@@ -220,7 +220,7 @@ def test_exact_steps_equal_plain_torch(placement):
 def test_lagged_steps_lag_only_the_hosts_buckets(placement):
     """async_optimizer=True: all on the host is the staleness-1 reference, all on the device the exact one, and a
     mixed placement computes with the newest weights for device buckets and the weights one step older for the
-    host's (in the first pass of each accumulation: see `plain_training`)."""
+    host's (in every pass of the iteration: see `plain_training`)."""
     batches = _batches()
     engine, optimizer = _build(_placement_config(placement, lagged=True))
     try:
@@ -367,18 +367,20 @@ def test_device_buckets_ready_together_step_in_one_call(optimizer_class, calls_p
     calls: list[int] = []
     inner.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append(1))
     optimizer = engine.wrap_optimizer(inner)
-    buckets = len(engine.optimizer_placement.device_buckets)
-    assert buckets > 1
-    batches = _batches()
-    for passes in batches:
-        for x, mask, y in passes:
-            engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
-        optimizer.clip_grad_norm_(MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-    engine.synchronize()
-    assert len(calls) == STEPS * (calls_per_step or buckets)
-    _, ref_weights = plain_training(batches)
-    for name, p in engine.module.named_parameters():
-        torch.testing.assert_close(p.detach(), ref_weights[-1][name], **TOL, msg=name)
-    engine.close()
+    try:
+        buckets = len(engine.optimizer_placement.device_buckets)
+        assert buckets > 1
+        batches = _batches()
+        for passes in batches:
+            for x, mask, y in passes:
+                engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+            optimizer.clip_grad_norm_(MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.synchronize()
+        assert len(calls) == STEPS * (calls_per_step or buckets)
+        _, ref_weights = plain_training(batches)
+        for name, p in engine.module.named_parameters():
+            torch.testing.assert_close(p.detach(), ref_weights[-1][name], **TOL, msg=name)
+    finally:
+        engine.close()
