@@ -270,8 +270,7 @@ class RoundPipeTrainer(Trainer):
         loss = result[0] if return_outputs else result
         factor = trainer_loss_multiplier(self.args.average_tokens_across_devices,
                                          bool(self.model_accepts_loss_kwargs or self.compute_loss_func),
-                                         num_items_in_batch, self.accelerator.num_processes,
-                                         1,  # the tensor-parallel size: RoundPipe refuses parallelism configs
+                                         num_items_in_batch, self.accelerator.num_processes, self.get_tp_size(),
                                          self.args.n_gpu)
         if factor == 1 or not torch.is_tensor(loss) or loss.grad_fn is None or loss_kind(loss) != DEFERRED:
             return result
