@@ -185,26 +185,26 @@ class RoundPipe(HostResidentModule):
             if not isinstance(error, EngineClosedError):
                 self._exchange.pass_failed(error, "the start of a training pass", self._failure)
             raise
+        index = self._passes.num_passes  # the pass about to be built
         if loss_reduction == "mean":  # a sum of losses weighs each micro-batch 1: no counts to exchange
-            totals = self.sum_over_ranks(
-                totals, f"the exchange of label counts at the start of pass {self._passes.num_passes}")
-        self.counters.count(inputs[0])
-        shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
-        scale = self._deferred.expected_scale if deferred else grad_scale
-        if deferred and scale == 0:
-            raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
-        plan, results = self._launch.training_pass(
-            self._modules["module"].training, mb_rows, inputs, mb_labels, loss_fn, [s * scale for s in shares],
-            DeferredCommit(scale) if deferred else None, len(self.layers))
-        jobs = self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
-        if results.profile is not None:
-            self._plan.measured(results.profile, jobs, num_mb, rows)
-        with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):
-            try:
+            totals = self.sum_over_ranks(totals, f"the exchange of label counts at the start of pass {index}")
+        try:  # a failure up to the loss meets the peers in the loss's exchange: they raise naming this rank
+            self.counters.count(inputs[0])
+            shares = loss_shares(mb_rows, mb_labels, loss_reduction, counted_labels, totals)
+            scale = self._deferred.expected_scale if deferred else grad_scale
+            if deferred and scale == 0:
+                raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
+            plan, results = self._launch.training_pass(
+                self._modules["module"].training, mb_rows, inputs, mb_labels, loss_fn, [s * scale for s in shares],
+                DeferredCommit(scale) if deferred else None, len(self.layers))
+            jobs = self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
+            if results.profile is not None:
+                self._plan.measured(results.profile, jobs, num_mb, rows)
+            with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):
                 losses = [loss.host()[0] for loss in results.take_losses(self._failure)]
-            except BaseException as error:
-                self._exchange.pass_failed(error, f"the end of pass {plan.index}", self._failure)
-                raise
+        except BaseException as error:
+            self._exchange.pass_failed(error, f"pass {index}", self._failure)
+            raise
         total = weighted_loss(losses, shares)
         total = self._on_caller_thread(lambda: self._exchange.global_loss(
             total, f"the all-reduce of the loss of pass {plan.index}"))
