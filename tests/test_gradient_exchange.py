@@ -1,6 +1,6 @@
 """The engine and its optimizer reach other processes only through the gradient exchange they are built with
 ([Note: gradient exchange] in `runtime/gradient_exchange.py`): one process has `NoExchange`, and an exchange put in
-its place sees every check, sum, loss, layout and meeting the engine does."""
+its place sees every check, weight broadcast, binding, sum, loss, layout and meeting the engine does."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ class RecordingExchange(NoExchange):
 
     def check_same(self, what, settings) -> None:
         self.calls.append(f"check_same {what}")
+
+    def broadcast_weights(self, store) -> None:
+        self.calls.append("broadcast_weights")  # every rank starts from rank 0's weights
+
+    def bind(self, failure, finish_with_peers) -> None:
+        self.calls.append("bind")
 
     def optimizer_layout(self, user, store, trace=None):
         self.calls.append("optimizer_layout")
@@ -67,5 +73,6 @@ def test_the_engine_reaches_other_processes_through_its_exchange_only(monkeypatc
     optimizer.step()
     engine.synchronize_ranks()
     engine.close()
-    assert exchange.calls == ["check_same the engine settings", "check_same the optimizer", "optimizer_layout",
+    assert exchange.calls == ["check_same the engine settings", "broadcast_weights", "bind",
+                              "check_same the optimizer", "optimizer_layout",
                               "sum_over_ranks", "global_loss", "meet_peers False", "meet_peers True", "close True"]
