@@ -124,12 +124,13 @@ def training_arguments(system: System, regime: dict, sizes: dict, output_dir: st
 
 
 def train(system: System, model_config, init_state: dict, train_set, eval_set, regime: dict,
-          sizes: dict) -> tuple[dict, dict | None]:
+          sizes: dict, callbacks: tuple = ()) -> tuple[dict, dict | None]:
     """Train `system` from `init_state`; returns (its record, the final state dict for the plain Trainer else None).
 
     The held-out loss at the end is measured after the engine is synchronized, so it is of the weights with every
     step in them; the evaluations during training are the Trainer's own (with the lagged step, RoundPipe's may miss
-    the last step's update). tokens/s is over the training wall time less the evaluations' runtime."""
+    the last step's update). tokens/s is over the training wall time less the evaluations' runtime. `callbacks` are
+    more Trainer callbacks (a profiler's window, say)."""
     from transformers import AutoModelForCausalLM, PrinterCallback, Trainer
 
     from accelerate_roundpipe import RoundPipeTrainer
@@ -142,7 +143,7 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
         args = training_arguments(system, regime, sizes, output_dir)
         trainer_class = Trainer if system.roundpipe is None else RoundPipeTrainer
         trainer = trainer_class(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                                callbacks=[history.callback])
+                                callbacks=[history.callback, *callbacks])
         trainer.remove_callback(PrinterCallback)  # one line per step of every run is noise; the records keep it
         start = time.perf_counter()
         trainer.train()

@@ -5,7 +5,7 @@
 #   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
-# placement-small, placement-cap24, small-gap. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# placement-small, placement-cap24, small-gap, step-profile. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
-WORKLOADS+=" placement placement-small placement-cap24 small-gap"
+WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -135,14 +135,16 @@ run_ours() {
     step 290 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf,hf \
       --variant auto:optimizer_placement=auto --variant host:optimizer_placement=host --out "$OUT" ;;
   small-gap)  # issue 26 item 6: the 168M preset (100 steps, auto) beside the plain Trainer, with CPython's 5 ms
-    # thread switch interval and with 1 ms (every system of a run alike), then one traced run and its report
+    # thread switch interval and with 1 ms (every system of a run alike)
     for s in 0.005 0.001; do
       step 150 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 100 \
         --eval-every 1000 --switch-interval $s --variant "auto-switch$s:optimizer_placement=auto" --out "$OUT"
-    done
-    step 120 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 60 \
-      --eval-every 1000 --variant "traced:trace_path=$OUT/small-gap-trace.json" --out "$OUT"
-    step 30 python3 -m accelerate_roundpipe.telemetry.report "$OUT/small-gap-trace.json" ;;
+    done ;;
+  step-profile)  # issue 26 item 6: torch.profiler over steps 40-50 of the 168M preset, every thread: the plain
+    # Trainer, RoundPipeTrainer (auto) and the same without Liger kernels; summaries on screen, traces in $OUT/profile
+    step 240 python3 benchmarks/step_profile.py --preset gpu --steps 60 --window 40:50 --systems hf \
+      --variant auto:optimizer_placement=auto --variant no-liger:optimizer_placement=auto,kernels=none \
+      --out "$OUT/profile" ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto

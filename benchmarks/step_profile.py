@@ -1,0 +1,135 @@
+"""Profile a window of training steps of the convergence preset, plain Trainer beside RoundPipeTrainer variants.
+
+Issue 26 item 6 (small models): where does a step of the 168M preset spend its time, on the GPU and on the host
+threads, and where does the GPU wait? Each system trains `--steps` steps on the preset's data (the convergence
+benchmark's own run, `convergence_runs.train`); torch.profiler records steps `--window` (CPU and CUDA activity, every
+thread); the trace is summarized (`trace_summary.py`: GPU busy time per step, kernels, copies, runtime calls, host
+threads, the longest GPU idle gaps with what the host ran meanwhile) and written gzipped beside a JSON summary.
+
+    python benchmarks/step_profile.py --preset gpu --systems hf --variant auto:optimizer_placement=auto --out DIR
+
+The profiler slows every system; compare the systems with each other here and take throughput from
+`convergence.py` runs without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks import convergence, text_corpus, trace_summary  # noqa: E402
+from benchmarks.convergence_runs import builtin_systems, parse_variant, train  # noqa: E402
+
+
+def _all_threads():
+    """Kineto's config recording every thread's host ops (RoundPipe's workers and optimizer are threads the caller
+    did not start under the profiler) and the CUDA synchronizations; None where this torch lacks them."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    except TypeError:
+        print("warning: this torch cannot profile every thread; only the caller's host ops are recorded")
+        return None
+
+
+class ProfileWindow:
+    """Trainer callback: torch.profiler over the steps [start, end) (global step numbers, counted from 0)."""
+
+    def __init__(self, start: int, end: int, trace_path: Path) -> None:
+        from transformers import TrainerCallback
+
+        window = self
+        self.start, self.end, self.trace_path = start, end, trace_path
+        self.profiler = None
+        self.wall_s: float | None = None
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == window.start:
+                    window.begin()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == window.end:  # global_step counts the step just ended
+                    window.finish()
+
+        self.callback = Callback()
+
+    def begin(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities, experimental_config=_all_threads())
+        self.profiler.start()
+        self._t0 = time.perf_counter()
+
+    def finish(self) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        self.thread_names = {str(t.native_id): t.name for t in threading.enumerate()}
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(str(self.trace_path))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(convergence.PRESETS), default="gpu")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--window", default="40:50", help="START:END, the steps profiled")
+    parser.add_argument("--systems", default="hf", help="comma-separated built-in systems (hf, sync, async)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
+                        help="a RoundPipeTrainer system, as in convergence.py (repeatable)")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the process")
+    parser.add_argument("--out", required=True, help="folder for <system>_trace.json.gz and step_profile.json")
+    args = parser.parse_args(argv)
+    start, end = (int(v) for v in args.window.split(":"))
+    if not 0 <= start < end <= args.steps:
+        raise SystemExit(f"--window {args.window}: need 0 <= START < END <= --steps ({args.steps})")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    systems = [builtin_systems()[n] for n in filter(None, args.systems.split(","))]
+    systems += [parse_variant(text) for text in args.variant]
+    p = convergence.resolve(convergence.parse_args(["--preset", args.preset]))
+    sizes = dict(batch=p["batch"], seq=p["seq"], seed=p["seed"], bf16=p["bf16"],
+                 num_microbatches=p["num_microbatches"] or None)
+    train_texts, held_out_texts, _ = text_corpus.read_split(p["corpus_bytes"], p["holdout_every"])
+    tokenizer = text_corpus.train_tokenizer(train_texts, p["vocab"])
+    train_set = text_corpus.PackedBlocks(tokenizer, train_texts, p["seq"])
+    eval_set = text_corpus.PackedBlocks(tokenizer, held_out_texts, p["seq"], max_blocks=8)
+    model_config = convergence.qwen3_config(p)
+    init, _ = convergence.initial_state(model_config, p["seed"])
+    regime = dict(convergence.regime_settings(p, "scratch"), steps=args.steps, eval_every=10 * args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = {}
+    for system in systems:
+        with tempfile.TemporaryDirectory() as tmp:
+            window = ProfileWindow(start, end, Path(tmp) / "trace.json")
+            record, _ = train(system, model_config, init, train_set, eval_set, regime, sizes,
+                              callbacks=(window.callback,))
+            trace = trace_summary.load(str(window.trace_path))
+            with open(window.trace_path, "rb") as src, gzip.open(out / f"{system.name}_trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        summary = trace_summary.summarize(trace, end - start, thread_names=window.thread_names)
+        summary["host_wall_ms_per_step"] = round(window.wall_s / (end - start) * 1e3, 3)
+        summary["tokens_per_s_whole_run"] = record["tokens_per_s"]
+        summary["final_eval_loss"] = record["final_eval_loss"]
+        summaries[system.name] = summary
+        print(trace_summary.format_summary(system.name, summary), flush=True)
+        print(f"   host wall {summary['host_wall_ms_per_step']} ms/step in the window; whole run "
+              f"{record['tokens_per_s']:,.0f} tok/s (profiled), held-out {record['final_eval_loss']:.4f}", flush=True)
+    (out / "step_profile.json").write_text(json.dumps(summaries, indent=1))
+
+
+if __name__ == "__main__":
+    main()
