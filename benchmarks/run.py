@@ -6,8 +6,8 @@ sequence length) to a JSONL file, in the format `benchmarks/collect.py` reads:
 Run one system per process (the host peak is per process). Every record states how the optimizer stepped
 (`settings.optimizer_step`: "async", one step late, or "sync"; `ROUNDPIPE_ASYNC_OPTIMIZER` chooses), the clipping
 (`settings.max_grad_norm`, 0: none), how often the loss reached the host (`settings.logging_steps`) and where the
-optimizer state lived (`settings.optimizer_placement`); a variant of a way in is named by its system:
-`-sync-optimizer`, `-clip<max_grad_norm>`, `-placement-<placement>`.
+optimizer state lived (`settings.optimizer_placement`, as the engine placed it); a variant of a way in is named by
+its system: `-sync-optimizer`, `-clip<max_grad_norm>`, `-placement-<placement>`.
 
 Any other `RoundPipeConfig` field is given as `--roundpipe FIELD=VALUE` (repeatable; the value as its
 `ROUNDPIPE_<FIELD>` variable takes it), e.g. `--roundpipe optimizer_placement=host`.
@@ -33,7 +33,7 @@ from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa:
 from benchmarks.memory import is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
-from benchmarks.runners import RUNNERS, common  # noqa: E402
+from benchmarks.runners import RUNNERS  # noqa: E402
 from benchmarks.runners.common import config_values  # noqa: E402
 from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
 
@@ -50,13 +50,12 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def optimizer_placement(config: RoundPipeConfig) -> str:
-    """Where the optimizer state was asked to live: "host" before the setting existed (every bucket stepped on the
-    host), else the setting; "auto" with CPU workers only is "host" (auto places buckets on GPUs)."""
-    placement = getattr(config, "resolved_optimizer_placement", "host")
-    if placement == "auto" and not common.cuda_indices(config):
-        return "host"
-    return placement
+def optimizer_placement(config: RoundPipeConfig, path: dict | None) -> str:
+    """Where the optimizer state lived: what the engine reported it placed (`common.placed_as`: "host" when every
+    bucket stayed on the host, e.g. "auto" with CPU workers or under data parallelism), else, for a run that failed
+    before its engine placed anything, the setting it asked for."""
+    placed = (path or {}).get("optimizer_placement")
+    return placed["placed"] if placed else config.resolved_optimizer_placement
 
 
 def system_name(system: str, async_optimizer: bool, max_grad_norm: float, placement: str = "host") -> str:
@@ -72,13 +71,10 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
             peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0) -> dict:
     w = WORKLOADS[workload]
     trainer = system == "roundpipe-trainer"
-    placement = optimizer_placement(config)
     training = {"optimizer_step": "async" if config.resolved_async_optimizer else "sync",
-                "max_grad_norm": max_grad_norm, "logging_steps": logging_steps if trainer else LOOP_LOGGING_STEPS,
-                "optimizer_placement": placement}
-    record = {"workload": workload,
-              "system": system_name(system, config.resolved_async_optimizer, max_grad_norm, placement),
-              "seq": seq, "global_batch": w.global_batch,
+                "max_grad_norm": max_grad_norm, "logging_steps": logging_steps if trainer else LOOP_LOGGING_STEPS}
+    # the system's name says where the optimizer state lived, which the engine decides: set once the run is over
+    record = {"workload": workload, "system": None, "seq": seq, "global_batch": w.global_batch,
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": git_commit(),
               "max_seq": seq if is_sweep(workload) else None}
     settings = {"seq": seq, "global_batch": w.global_batch, "mem_cap_gib": w.cap_gib, "lora": w.lora,
@@ -100,9 +96,14 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
     except Exception as error:  # noqa: BLE001 -- a failed configuration is a result too
         status = "OOM" if is_oom(error) else "ERROR"
         print(f"[bench] {workload} {system} seq={seq}: {status} {error!r}", file=sys.stderr, flush=True)
+        placement = settings["optimizer_placement"] = optimizer_placement(config, None)
+        record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
         return {**record, "tokens_per_s": None, "mfu": None, "gpu_peak_gib": None, "host_peak_gib": None,
                 "status": status, "error": repr(error)[:600], "settings": settings}
-    settings.update(num_microbatches=result["num_microbatches"], path=result["path"], step_s=result["step_s"])
+    placement = optimizer_placement(config, result["path"])  # the engine's, after the optimizer was wrapped
+    settings.update(optimizer_placement=placement, num_microbatches=result["num_microbatches"], path=result["path"],
+                    step_s=result["step_s"])
+    record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
     median_step = statistics.median(result["step_s"][warm:])
     return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
             # Steady state as the reference's and the in-GPU anchors' scripts report it: the median timed step.

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from accelerate_roundpipe.runtime import measured_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import call_summary, run  # noqa: E402
@@ -41,6 +44,61 @@ def test_placement_passes_through_and_is_recorded(tmp_path, monkeypatch):
     # any other field goes through too
     (other,) = [json.loads(line) for line in out.read_text().splitlines()][3:]
     assert other["settings"]["config"]["wait_timeout_s"] == 300
+
+
+@pytest.mark.parametrize("data_parallel, system, placed", [
+    (False, "roundpipe-engine-sync-optimizer-placement-auto", "auto"),
+    (True, "roundpipe-engine-sync-optimizer", "host")])
+def test_the_record_says_what_the_engine_placed(tmp_path, monkeypatch, data_parallel, system, placed):
+    """"auto" on GPU workers places buckets on them, except under data parallelism, where the engine keeps the host.
+    The same config gives both records here: the engine's placement sees the CPU workers as GPUs and is told the run
+    is data-parallel or not, so only what the engine decided can tell the two names apart."""
+    monkeypatch.delenv("ROUNDPIPE_OPTIMIZER_PLACEMENT", raising=False)
+    monkeypatch.delenv("ROUNDPIPE_ASYNC_OPTIMIZER", raising=False)
+    place = measured_plan.place_optimizer_state
+
+    def as_on_gpus(setting, budget_gib, devices, store, optimizer, _data_parallel, memory_budget_bytes):
+        gpus = [SimpleNamespace(device=d.device, is_cuda=True) for d in devices]
+        return place(setting, budget_gib, gpus, store, optimizer, data_parallel, memory_budget_bytes)
+
+    monkeypatch.setattr(measured_plan, "place_optimizer_state", as_on_gpus)
+    (record,) = _records(tmp_path / "ours.jsonl", "--system", "roundpipe-engine", "--roundpipe",
+                         "optimizer_placement=auto")
+    assert record["status"] == "ok"
+    assert record["system"] == system
+    assert record["settings"]["optimizer_placement"] == placed
+    engine_said = record["settings"]["path"]["optimizer_placement"]
+    assert engine_said["setting"] == "auto" and engine_said["placed"] == placed
+    if data_parallel:
+        assert engine_said["device_buckets"] == 0
+        assert "data parallelism exchanges gradients on the host" in engine_said["summary"]
+    else:
+        assert engine_said["device_buckets"] > 0 and engine_said["host_buckets"] == 0
+
+
+def test_a_device_placement_with_no_room_is_named_host(tmp_path, monkeypatch):
+    """"device" with a device budget nothing fits in: every bucket stays on the host, and the record says so."""
+    monkeypatch.delenv("ROUNDPIPE_ASYNC_OPTIMIZER", raising=False)
+    (record,) = _records(tmp_path / "ours.jsonl", "--system", "roundpipe-engine", "--roundpipe",
+                         "optimizer_placement=device", "--roundpipe", "optimizer_device_budget=1e-9")
+    assert record["status"] == "ok" and record["system"] == "roundpipe-engine-sync-optimizer"
+    assert record["settings"]["optimizer_placement"] == "host"
+    engine_said = record["settings"]["path"]["optimizer_placement"]
+    assert engine_said["setting"] == "device" and engine_said["device_buckets"] == 0
+
+
+def test_a_failed_run_is_named_by_the_setting_it_asked_for(tmp_path, monkeypatch):
+    """No engine placed anything: the name falls back on the config's setting."""
+    monkeypatch.delenv("ROUNDPIPE_ASYNC_OPTIMIZER", raising=False)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("before any optimizer was wrapped")
+
+    monkeypatch.setitem(run.RUNNERS, "roundpipe-engine", fails)
+    (record,) = _records(tmp_path / "ours.jsonl", "--system", "roundpipe-engine", "--roundpipe",
+                         "optimizer_placement=device")
+    assert record["status"] == "ERROR" and record["system"] == "roundpipe-engine-sync-optimizer-placement-device"
+    assert record["settings"]["optimizer_placement"] == "device"
 
 
 @pytest.mark.parametrize("item, message", [("optimizer_placment=host", "did you mean optimizer_placement"),

@@ -57,13 +57,22 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
 
 
 def placement_of(engine) -> dict | None:
-    """Where the engine put each trainable bucket's optimizer state: the start summary's line and its counts (see
-    [Note: optimizer placement] in runtime/placement.py)."""
+    """Where the engine put each trainable bucket's optimizer state: the start summary's line, its counts, the
+    setting and what the engine made of it (`placed_as`; see [Note: optimizer placement] in runtime/placement.py)."""
     placement = getattr(engine, "optimizer_placement", None)
     if placement is None:
         return None
     return {"summary": placement.summary(), "device_buckets": len(placement.device_buckets),
-            "host_buckets": len(placement.host_buckets), "device_gib": round(placement.device_bytes() / 2**30, 3)}
+            "host_buckets": len(placement.host_buckets), "device_gib": round(placement.device_bytes() / 2**30, 3),
+            "setting": placement.setting, "placed": placed_as(placement)}
+
+
+def placed_as(placement) -> str:
+    """Where the engine's `OptimizerPlacement` put the optimizer state, in the setting's words: "host" when every
+    trainable bucket stayed on the host, whatever the setting (host; auto with CPU workers or under data
+    parallelism; nothing that fit the device budget), else the setting. Read from the engine, not re-derived from
+    the config: the engine's rules (placement.py) are the only ones."""
+    return placement.setting if placement.device_buckets else "host"
 
 
 def is_bf16(model: torch.nn.Module) -> bool:
