@@ -90,7 +90,8 @@ def require_mention(function: Callable, name: str, library: str, reach: str) -> 
 def require_parameters(function: Callable, names: tuple[str, ...], library: str, reach: str, *,
                        leading: bool = True, or_var_keyword: tuple[str, ...] = ()) -> None:
     """`function` takes the parameters `names` (after `self`): as its first ones in that order when `leading` (we
-    pass them positionally), else anywhere. A name in `or_var_keyword` may come through `**kwargs` instead."""
+    pass them positionally, and nothing else: so every parameter after them must have a default), else anywhere. A
+    name in `or_var_keyword` may come through `**kwargs` instead."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError) as error:
@@ -98,8 +99,8 @@ def require_parameters(function: Callable, names: tuple[str, ...], library: str,
     if parameters and parameters[0].name == "self":
         parameters = parameters[1:]
     has_var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-    given = [p.name for p in parameters if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                           inspect.Parameter.VAR_KEYWORD)]
+    named = [p for p in parameters if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    given = [p.name for p in named]
     if leading:
         ok = given[:len(names)] == list(names)
     else:
@@ -108,6 +109,12 @@ def require_parameters(function: Callable, names: tuple[str, ...], library: str,
         raise LibraryChangedError(library, reach, f"{getattr(function, '__qualname__', function)} takes "
                                                   f"({', '.join(given)}), not ({', '.join(names)}) as RoundPipe "
                                                   f"passes them")
+    if leading:  # a new parameter without a default would be missing from RoundPipe's call
+        required = [p.name for p in named[len(names):] if p.default is inspect.Parameter.empty]
+        if required:
+            raise LibraryChangedError(library, reach, f"{getattr(function, '__qualname__', function)} now also "
+                                                      f"requires ({', '.join(required)}), which RoundPipe does not "
+                                                      f"pass")
 
 
 def check_overrides(cls: type, base: type, overrides: Mapping[str, tuple[str, ...] | None], library: str) -> None:
