@@ -119,7 +119,8 @@ def require_parameters(function: Callable, names: tuple[str, ...], library: str,
 
 def check_overrides(cls: type, base: type, overrides: Mapping[str, tuple[str, ...] | None], library: str) -> None:
     """`cls` (RoundPipe's subclass of `base`) overrides exactly `overrides` of `base`'s methods, and each one still
-    exists on `base`, taking the parameters listed (first, in that order; None: existence only). Every other
+    exists on `base`, taking the parameters listed (first, in that order, and no other without a default: `()` is a
+    method RoundPipe calls with none; None: existence only, for one it passes `*args, **kwargs` through). Every other
     attribute `cls` defines must be absent from `base`: a method the library added under one of RoundPipe's own
     names would otherwise be replaced without anyone knowing."""
     for name, parameters in overrides.items():
@@ -127,7 +128,7 @@ def check_overrides(cls: type, base: type, overrides: Mapping[str, tuple[str, ..
         if not hasattr(base, name):
             raise LibraryChangedError(library, reach, f"{base.__qualname__} has no `{name}` any more, so "
                                                       f"RoundPipe's override would never be called")
-        if parameters:
+        if parameters is not None:  # `()` too: a method that now requires a parameter is checked as any other
             attribute = inspect.getattr_static(base, name)
             function = getattr(attribute, "fget", None) or getattr(base, name)
             require_parameters(function, parameters, library, reach)

@@ -36,3 +36,42 @@ def test_parameters_anywhere_ignore_others_required():
     check(lambda self, other, trial, model: None, leading=False)
     with pytest.raises(LibraryChangedError, match=r"takes \(other, model\)"):
         check(lambda self, other, model: None, leading=False)
+
+
+# ---------------------------------------------------------------------- overrides listed with `()`
+
+
+def test_an_override_listed_with_no_parameters_is_checked_like_any_other(monkeypatch):
+    """`()`: RoundPipe calls the base method with no parameter, so a required one it gained is refused, like a
+    parameter moved in a method listed with some (these entries were skipped: an empty tuple is false)."""
+    from transformers import Trainer
+
+    from accelerate_roundpipe.compat import hf_trainer
+    from accelerate_roundpipe.integrations.trainer import RoundPipeTrainer
+
+    assert hf_trainer.TRAINER_OVERRIDES["create_accelerator_and_postprocess"] == ()
+    hf_trainer.check_trainer_overrides(RoundPipeTrainer, Trainer)
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", lambda self, plugin: None)
+    with pytest.raises(LibraryChangedError, match=r"create_accelerator_and_postprocess.*requires \(plugin\)"):
+        hf_trainer.check_trainer_overrides(RoundPipeTrainer, Trainer)
+
+
+def test_an_override_listed_with_no_parameters_must_still_be_a_method():
+    from accelerate_roundpipe.compat import check_overrides
+
+    class Base:
+        def finish(self):
+            pass
+
+    class Ours(Base):
+        def finish(self):
+            super().finish()
+
+    check_overrides(Ours, Base, {"finish": ()}, "accelerate")
+    Base.finish = None  # a data attribute now: RoundPipe's override would replace no method
+    with pytest.raises(LibraryChangedError, match=r"Base\.finish.*signature cannot be read"):
+        check_overrides(Ours, Base, {"finish": ()}, "accelerate")
+    check_overrides(Ours, Base, {"finish": None}, "accelerate")  # None: existence only, as before
+    del Base.finish
+    with pytest.raises(LibraryChangedError, match=r"no `finish` any more"):
+        check_overrides(Ours, Base, {"finish": ()}, "accelerate")
