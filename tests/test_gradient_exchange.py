@@ -5,46 +5,12 @@ its place sees every check, weight broadcast, binding, sum, loss, layout and mee
 from __future__ import annotations
 
 import torch
+from exchange_helpers import RecordingExchange
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime import engine_parts
-from accelerate_roundpipe.runtime.gradient_exchange import NoExchange
 from accelerate_roundpipe.runtime.whole_buckets import WholeBuckets
-
-
-class RecordingExchange(NoExchange):
-    """One process, recording what the engine asks of its exchange."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def check_same(self, what, settings) -> None:
-        self.calls.append(f"check_same {what}")
-
-    def broadcast_weights(self, store) -> None:
-        self.calls.append("broadcast_weights")  # every rank starts from rank 0's weights
-
-    def bind(self, failure, finish_with_peers) -> None:
-        self.calls.append("bind")
-
-    def optimizer_layout(self, user, store, trace=None):
-        self.calls.append("optimizer_layout")
-        return super().optimizer_layout(user, store, trace)
-
-    def sum_over_ranks(self, values, what):
-        self.calls.append("sum_over_ranks")
-        return values
-
-    def global_loss(self, loss, what):
-        self.calls.append("global_loss")
-        return loss
-
-    def meet_peers(self, only_after_collectives: bool = False) -> None:
-        self.calls.append(f"meet_peers {only_after_collectives}")
-
-    def close(self, clean: bool = True) -> None:
-        self.calls.append(f"close {clean}")
 
 
 def _engine() -> RoundPipe:

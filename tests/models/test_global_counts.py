@@ -6,33 +6,26 @@ data-parallel branch decides whether to count."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.runtime import gradient_exchange as gradient_exchange_module
-from accelerate_roundpipe.runtime.gradient_exchange import NoExchange
 
 from split_helpers import MOE_FAMILIES, available_families, build_model, make_batch, reference_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared exchange helper
+from exchange_helpers import RecordingExchange  # noqa: E402
 
 COUNTS = "the all-reduce of the label and token counts of the global batch"
 
 
-class CountingExchange(NoExchange):
-    """One process, recording what the engine and the model sum over the ranks."""
-
-    def __init__(self) -> None:
-        self.sums: list[str] = []
-
-    def sum_over_ranks(self, values, what):
-        self.sums.append(what)
-        return values
-
-
 @pytest.mark.parametrize("family", ["llama"] + sorted(MOE_FAMILIES & set(available_families()))[:1])
 def test_the_models_counts_go_through_the_engines_exchange(family, monkeypatch):
-    exchange = CountingExchange()
+    exchange = RecordingExchange()
     # The one-process exchange `gradient_exchange()` builds, wherever the engine calls it from.
     monkeypatch.setattr(gradient_exchange_module, "NoExchange", lambda: exchange)
     model = build_model(family)
