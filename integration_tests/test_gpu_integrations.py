@@ -11,6 +11,7 @@ import tempfile
 
 import pytest
 import torch
+from tiny_llama_model import seeded_tiny_llama as _model  # test_gpu_engines_in_turn.py imports `_model` from here
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -27,15 +28,6 @@ def _data(block_size: int = 32):
     blocks = lm_blocks(tokenizer, train, block_size)
     rows = [{k: torch.tensor(blocks[k][i]) for k in blocks} for i in range(len(blocks["input_ids"]))]
     return tokenizer, rows
-
-
-def _model(vocab_size: int):
-    from transformers import LlamaForCausalLM, set_seed
-
-    from accelerate_roundpipe.tiny.data import tiny_llama_config
-
-    set_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size))
 
 
 def _losses(trainer) -> list[float]:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from tiny_llama_model import seeded_tiny_llama
 
 from accelerate_roundpipe import RoundPipeTrainer, RoundPipeTrainingArguments
 
@@ -29,12 +30,7 @@ def _model(vocab_size: int, kind: str):
     """`inf`: the final norm's weight scaled by 1e25, so the gradients (about 1e25) square past float32's largest
     value while the loss stays finite; `nan`: token NAN_TOKEN embeds as NaN, so the step that meets it has a NaN
     loss and NaN gradients."""
-    from transformers import LlamaForCausalLM, set_seed
-
-    from accelerate_roundpipe.tiny.data import tiny_llama_config
-
-    set_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size))
+    model = seeded_tiny_llama(vocab_size)
     with torch.no_grad():
         if kind == "inf":
             model.model.norm.weight.mul_(1e25)

@@ -9,6 +9,7 @@ import os
 
 import torch
 from roundpipe_testing import assert_close_lists
+from tiny_llama_model import seeded_tiny_llama
 
 from accelerate_roundpipe import RoundPipeTrainer, RoundPipeTrainingArguments
 
@@ -21,15 +22,6 @@ def _data():
     tokenizer = build_tokenizer()
     train, _ = lm_datasets(tokenizer, block_size=32)
     return tokenizer, train.select(range(2 * STEPS))
-
-
-def _model(vocab_size: int):
-    from transformers import LlamaForCausalLM, set_seed
-
-    from accelerate_roundpipe.tiny.data import tiny_llama_config
-
-    set_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size))
 
 
 def _flags(output_dir: str, *extra: str) -> list[str]:
@@ -52,7 +44,7 @@ def _trainer(data, flags: list[str], roundpipe: bool):
     args_class = RoundPipeTrainingArguments if roundpipe else TrainingArguments
     (args,) = HfArgumentParser(args_class).parse_args_into_dataclasses(flags)
     trainer_class = RoundPipeTrainer if roundpipe else Trainer
-    return trainer_class(model=_model(len(tokenizer)), args=args, train_dataset=train)
+    return trainer_class(model=seeded_tiny_llama(len(tokenizer)), args=args, train_dataset=train)
 
 
 def _logged(trainer, key: str) -> list:
