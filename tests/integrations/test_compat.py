@@ -67,14 +67,23 @@ def test_a_private_trainer_method_gone_is_refused_when_the_trainer_is_built(monk
         RoundPipeTrainer(model=None)
 
 
-def test_a_private_trainer_method_with_other_parameters_is_refused(monkeypatch):
+def test_a_private_trainer_method_with_a_parameter_dropped_is_refused(monkeypatch):
     from transformers import Trainer
 
     from accelerate_roundpipe.integrations.trainer import RoundPipeTrainer
 
-    monkeypatch.setattr(Trainer, "_save_checkpoint", lambda self, model, trial, metrics: None, raising=True)
     monkeypatch.setattr(Trainer, "_get_grad_norm", lambda self, grad_norm: None)  # `model` dropped
-    with changed("transformers", r"_save_checkpoint|_get_grad_norm"):
+    with changed("transformers", r"Trainer\._get_grad_norm"):
+        hf_trainer.check_trainer_overrides(RoundPipeTrainer, Trainer)
+
+
+def test_a_private_trainer_method_with_a_parameter_added_is_refused(monkeypatch):
+    from transformers import Trainer
+
+    from accelerate_roundpipe.integrations.trainer import RoundPipeTrainer
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", lambda self, model, trial, metrics: None)  # `metrics` required
+    with changed("transformers", r"Trainer\._save_checkpoint"):
         hf_trainer.check_trainer_overrides(RoundPipeTrainer, Trainer)
 
 
