@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from integration_unit_helpers import CPU_WORKERS, lm_batch, tiny_llama
+from process_group_helpers import default_group_timeout_around, default_group_up
 from torch import nn
 
 from accelerate_roundpipe.compat import (
@@ -441,15 +442,12 @@ def test_a_fused_head_at_another_temperature_is_refused_by_the_engine(trl, peft_
 
 
 def test_the_default_group_timeout_is_set_through_the_private_setter(monkeypatch):
-    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            torch_internals.set_default_group_timeout(datetime.timedelta(seconds=7))
-        finally:
-            dist.destroy_process_group()
+    # in a fresh process: runs whether or not another test left a group up here
+    before, after = default_group_timeout_around(
+        "torch_internals.set_default_group_timeout(datetime.timedelta(seconds=7))")
+    assert before != 7 and after == 7
     monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout: None)  # the group no longer taken
     with changed("torch", r"_set_pg_timeout"):
         torch_internals.set_default_group_timeout(datetime.timedelta(seconds=7))
@@ -526,21 +524,19 @@ def test_a_launcher_target_moved_or_renamed_is_refused_before_anything_is_swappe
 
 
 def test_the_default_group_timeout_follows_wait_timeout_through_compat(monkeypatch):
-    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from accelerate_roundpipe.integrations import multi_process
 
-    if dist.is_initialized():
-        pytest.skip("a process group of another test is up")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        multi_process.follow_wait_timeout(7.0)
+    # in a fresh process: runs whether or not another test left a group up here
+    before, after = default_group_timeout_around("multi_process.follow_wait_timeout(7.0)")
+    assert before != 7 and after == 7
+    # The refusal needs a live group (without one there is nothing to follow) and comes before the setter is called:
+    # a group another test left up serves and is not changed.
+    with default_group_up():
         monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout: None)  # the group no longer taken
         with changed("torch", r"_set_pg_timeout"):
             multi_process.follow_wait_timeout(7.0)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_engines_autograd_nodes_are_recognised_through_compat(monkeypatch):
