@@ -70,13 +70,17 @@ def convergence_lines(records: list[dict]) -> list[str]:
     """convergence.py's records, each against the plain Trainer of its regime (the last one in the files: a warm-up
     run of it comes first)."""
     base = {r["regime"]: r["tokens_per_s"] for r in records if r["system"] == PLAIN}
+    med = {r["regime"]: r.get("tokens_per_s_median_step") for r in records if r["system"] == PLAIN}
     lines = []
     for r in records:
         s = r.get("settings", {})
         placement = "-" if s.get("roundpipe") is None else s["roundpipe"].get("optimizer_placement", "default")
         lines.append(
             f"{r['regime']:8s} {r['system']:10s} {_num(r['tokens_per_s']):>9s} tok/s "
-            f"({_ratio(r['tokens_per_s'], base.get(r['regime']))} {PLAIN})  held-out {r['final_eval_loss']:.4f}  "
+            f"({_ratio(r['tokens_per_s'], base.get(r['regime']))} {PLAIN}; median step "
+            f"{_num(r.get('tokens_per_s_median_step'))} tok/s, "
+            f"{_ratio(r.get('tokens_per_s_median_step'), med.get(r['regime']))})"
+            f"  held-out {r['final_eval_loss']:.4f}  "
             f"train loss {_losses(r.get('losses'))}  {s.get('optimizer_mode')}, placement {placement}, "
             f"clip {s.get('max_grad_norm')}, logging {s.get('logging_steps')}, {r.get('train_s')} s")
     return lines

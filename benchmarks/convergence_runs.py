@@ -84,11 +84,21 @@ class _History:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 history.add(state.global_step, logs or {})
 
+            def on_step_end(self, args, state, control, **kwargs):
+                history.step_ends.append(time.perf_counter())
+
         self.callback = Callback()
         self.losses: list[tuple[int, float]] = []
         self.grad_norms: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.eval_s: list[float] = []
+        self.step_ends: list[float] = []  # wall clock at each optimizer step's end (the Trainer's view)
+
+    def median_step_s(self) -> float | None:
+        """The median time between two step ends past the first 10 steps (start-up, measured pass and re-plan,
+        compilation): the steady state, beside the whole run's tokens/s. Evaluation steps fall out as outliers."""
+        times = sorted(b - a for a, b in zip(self.step_ends[10:], self.step_ends[11:]))
+        return times[len(times) // 2] if times else None
 
     def add(self, step: int, logs: dict) -> None:
         if "loss" in logs:
@@ -164,6 +174,10 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
               "grad_norms": history.grad_norms, "evals": evals,
               "final_eval_loss": final_eval, "train_s": round(train_s, 3),
               "tokens_per_s": round(tokens / train_s, 1)}
+    median = history.median_step_s()
+    if median is not None:
+        record["median_step_ms"] = round(median * 1e3, 3)
+        record["tokens_per_s_median_step"] = round(sizes["batch"] * sizes["seq"] / median, 1)
     final_state = None
     if system.roundpipe is None:
         final_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
