@@ -53,6 +53,29 @@ def _trainer_module():
     return importlib.import_module("transformers.trainer")
 
 
+def _own_class(module_name: str, name: str) -> type:
+    """transformers' own class `<module_name>.<name>`, also while the launcher has swapped RoundPipe's subclass in
+    under that name (`launch/install.py`): the class of that name defined in that module, along the MRO of what the
+    module holds now. The checks below read the Trainer's code through it, not `transformers.Trainer`, which under
+    the launcher is `RoundPipeTrainer`, whose own code mentions every name they look for."""
+    reach = f"{module_name}.{name}"
+    current = require_attribute(importlib.import_module(module_name), name, LIBRARY, reach)
+    for cls in getattr(current, "__mro__", ()):
+        if cls.__module__ == module_name and cls.__qualname__ == name:
+            return cls
+    raise LibraryChangedError(LIBRARY, reach, f"no class {name} defined in {module_name} behind {current!r}")
+
+
+def original_trainer() -> type:
+    """transformers' own `Trainer` (see `_own_class`)."""
+    return _own_class("transformers.trainer", "Trainer")
+
+
+def original_training_arguments() -> type:
+    """transformers' own `TrainingArguments` (see `_own_class`)."""
+    return _own_class("transformers.training_args", "TrainingArguments")
+
+
 @contextlib.contextmanager
 def trainer_module_name_swapped(name: str, replacement: object, used_by: Callable) -> Iterator[None]:
     """`transformers.trainer.<name>` is `replacement` for the block: the Trainer's method `used_by` looks the name
@@ -82,10 +105,8 @@ def limit_gpus_per_process(args, most: int) -> None:
     the model in `DataParallel` nor multiply the batch size by the GPU count. `TrainingArguments.n_gpu` is a
     read-only property over the private `_n_gpu` that `_setup_devices` fills (transformers 5.24); checked on the
     class, so that any `args` object (a subclass, a test's stand-in) is set the same way."""
-    from transformers import TrainingArguments
-
     reach = "TrainingArguments._n_gpu (behind the n_gpu property)"
-    n_gpu = inspect.getattr_static(TrainingArguments, "n_gpu", None)
+    n_gpu = inspect.getattr_static(original_training_arguments(), "n_gpu", None)
     if not isinstance(n_gpu, property) or not mentions(n_gpu.fget, "_n_gpu"):
         raise LibraryChangedError(LIBRARY, reach, "`TrainingArguments.n_gpu` is no longer a property reading `_n_gpu`")
     args._n_gpu = min(args.n_gpu, most)  # reading `n_gpu` first runs `_setup_devices`, which would overwrite it
@@ -138,16 +159,15 @@ def compute_loss_process_factor(average_tokens_across_devices: bool, counts_item
     with several GPUs per process) when `average_tokens_across_devices`, the model counts items
     (`counts_items`: `model_accepts_loss_kwargs or compute_loss_func`) and a count was given; else 1. Mirrored
     (transformers 5.24 and 5.17) so RoundPipe can take it off the engine's fused loss; checked: `compute_loss`
-    still reads each of these."""
-    from transformers import Trainer
-
+    still reads each of these (transformers' own, also under the launcher)."""
+    compute_loss = original_trainer().compute_loss
     reach = "the num_processes factor of Trainer.compute_loss (taken off RoundPipe's fused loss)"
     for name in ("average_tokens_across_devices", "model_accepts_loss_kwargs", "compute_loss_func",
                  "num_processes", "n_gpu"):
-        require_mention(Trainer.compute_loss, name, LIBRARY, reach)
+        require_mention(compute_loss, name, LIBRARY, reach)
     # The tensor-parallel divisor: `get_tp_size()` in 5.24, `parallelism_config.tp_size` in 5.17 (the GPU
     # machine's); 1 under RoundPipe either way (it refuses parallelism configs).
-    if not (mentions(Trainer.compute_loss, "get_tp_size") or mentions(Trainer.compute_loss, "tp_size")):
+    if not (mentions(compute_loss, "get_tp_size") or mentions(compute_loss, "tp_size")):
         raise LibraryChangedError(LIBRARY, reach, "Trainer.compute_loss no longer divides by the tensor-parallel "
                                                   "size (`get_tp_size` or `tp_size`)")
     if not (average_tokens_across_devices and counts_items and num_items_in_batch is not None):
