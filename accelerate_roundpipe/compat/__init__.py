@@ -21,6 +21,7 @@ process group and LR scheduler), `launcher_swaps.py` (the classes `launch/instal
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 import types
@@ -54,9 +55,24 @@ def installed_version(library: str) -> str:
         return "(not installed)"
 
 
+# [Note: compat checks run once]
+# Some checks guard a reach made on every training step (the Trainer's gradient-accumulation scale and
+# num_processes factor, the scheduler's step flag, accelerate's backend, the nested_gather swap, TRL's fused head's
+# temperature), and reading a library function's code costs 10-250 us. That code cannot change under a running
+# process but by replacing the function (a new version is a new process), so each reading of it (`mentions`,
+# `closures_over`) is remembered per function object: a step's check is then a dictionary look-up. A function
+# replaced (a monkeypatched fake, a subclass's own method) is a new key, read afresh. Nothing is remembered of a
+# check that fails: its `LibraryChangedError` is raised by the caller on every call, from the first.
+
+
+def _code(function: Callable) -> types.CodeType | None:
+    """The code of `function`, unwrapped from decorators: where every reading of a library's code starts."""
+    return getattr(inspect.unwrap(function), "__code__", None)
+
+
 def _code_objects(function: Callable) -> list[types.CodeType]:
     """The code of `function` (unwrapped from decorators) and of every function nested in it."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
+    code = _code(function)
     found, stack = [], [code] if code is not None else []
     while stack:
         code = stack.pop()
@@ -65,10 +81,35 @@ def _code_objects(function: Callable) -> list[types.CodeType]:
     return found
 
 
+def _once_per_function(read: Callable) -> Callable:
+    """`read(function, name)`, remembered per (function, name) ([Note: compat checks run once]); read each time for
+    a callable that cannot be a dictionary key."""
+    remembered = functools.lru_cache(maxsize=None)(read)
+
+    @functools.wraps(read)
+    def once(function: Callable, name: str):
+        try:
+            hash(function)
+        except TypeError:
+            return read(function, name)
+        return remembered(function, name)
+
+    return once
+
+
+@_once_per_function
 def mentions(function: Callable, name: str) -> bool:
     """Whether `function`'s code looks up `name`: as a global or an attribute (`co_names`), or as a string
     constant (`getattr(obj, "name", ...)`)."""
     return any(name in code.co_names or name in code.co_consts for code in _code_objects(function))
+
+
+@_once_per_function
+def closures_over(function: Callable, name: str) -> tuple[types.CodeType, ...]:
+    """The code of the functions defined directly in `function` that close over its local `name`."""
+    code = _code(function)
+    return tuple(c for c in (code.co_consts if code is not None else ())
+                 if isinstance(c, types.CodeType) and name in c.co_freevars)
 
 
 def require_attribute(owner: object, name: str, library: str, reach: str) -> object:

@@ -117,7 +117,7 @@ def training_step_grad_scale(trainer, num_items_in_batch, base_training_step: Ca
     1 when the loss is already normalised for gradient accumulation (`loss_is_scaled_for_ga`, else when the model
     took `num_items_in_batch` or a `compute_loss_func` is set), else 1 / `current_gradient_accumulation_steps`. The
     fused step gives the engine this scale itself, so the rule is mirrored here (transformers 5.24); checked: the
-    Trainer's step still reads each of these attributes."""
+    Trainer's step still reads each of these attributes (read once: [Note: compat checks run once])."""
     reach = "the gradient-accumulation scale of Trainer.training_step (mirrored by RoundPipe's fused step)"
     for name in ("model_accepts_loss_kwargs", "compute_loss_func", "current_gradient_accumulation_steps"):
         require_mention(base_training_step, name, LIBRARY, reach)
@@ -159,7 +159,8 @@ def compute_loss_process_factor(average_tokens_across_devices: bool, counts_item
     with several GPUs per process) when `average_tokens_across_devices`, the model counts items
     (`counts_items`: `model_accepts_loss_kwargs or compute_loss_func`) and a count was given; else 1. Mirrored
     (transformers 5.24 and 5.17) so RoundPipe can take it off the engine's fused loss; checked: `compute_loss`
-    still reads each of these (transformers' own, also under the launcher)."""
+    still reads each of these (transformers' own, also under the launcher), read once
+    ([Note: compat checks run once])."""
     compute_loss = original_trainer().compute_loss
     reach = "the num_processes factor of Trainer.compute_loss (taken off RoundPipe's fused loss)"
     for name in ("average_tokens_across_devices", "model_accepts_loss_kwargs", "compute_loss_func",

@@ -29,7 +29,8 @@ def set_default_group_timeout(timeout: datetime.timedelta) -> None:
 def mark_stepped_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
     """Say to an LR scheduler built on `optimizer` that its step was taken: the `_opt_called` flag its wrapper of
     `optimizer.step` sets and `LRScheduler.step` reads, to warn "lr_scheduler.step() before optimizer.step()" (torch
-    2.13). RoundPipe's step runs later, on another thread ([Note: scheduler step count])."""
+    2.13). RoundPipe's step runs later, on another thread ([Note: scheduler step count]). Checked on every optimizer
+    step, reading `LRScheduler.step` once ([Note: compat checks run once])."""
     from torch.optim.lr_scheduler import LRScheduler
 
     require_mention(LRScheduler.step, "_opt_called", LIBRARY, "the `_opt_called` flag LRScheduler.step reads")

@@ -7,7 +7,7 @@ import importlib
 import types
 from collections.abc import Callable
 
-from . import LibraryChangedError, mentions, require_attribute
+from . import LibraryChangedError, closures_over, mentions, require_attribute
 
 LIBRARY = "trl"
 
@@ -54,12 +54,12 @@ def fused_output_class() -> type:
 
 def fused_forward_code() -> types.CodeType:
     """The code of the forward `trl.trainer.utils.add_fused_lm_head` patches onto a model: the function nested in it
-    (trl 1.16: `_fused_forward`, closing over the head's settings, `temperature` among them)."""
+    (trl 1.16: `_fused_forward`, closing over the head's settings, `temperature` among them). Read once per
+    `add_fused_lm_head` ([Note: compat checks run once]): `fused_head_setting` asks on every fused forward."""
     utils = importlib.import_module("trl.trainer.utils")
     reach = "the forward trl.trainer.utils.add_fused_lm_head patches in (its closure's `temperature`)"
     add_head = require_attribute(utils, "add_fused_lm_head", LIBRARY, reach)
-    nested = [c for c in add_head.__code__.co_consts
-              if isinstance(c, types.CodeType) and "temperature" in c.co_freevars]
+    nested = closures_over(add_head, "temperature")
     if len(nested) != 1:
         raise LibraryChangedError(LIBRARY, reach, f"add_fused_lm_head defines {len(nested)} function(s) closing "
                                                   f"over `temperature`, not one")
