@@ -81,7 +81,8 @@ def fused_head_setting(model, own_forward: Callable | None, name: str, default):
         code = getattr(function, "__code__", None)
         if code is None or code is not fused_forward_code():  # checks that TRL still patches in such a forward
             continue
-        if name not in code.co_freevars or not function.__closure__:
+        # A function of that code has a closure: Python builds none without one cell per free variable.
+        if name not in code.co_freevars:
             raise LibraryChangedError(LIBRARY, f"the `{name}` add_fused_lm_head closes over",
                                       f"the forward it patches in no longer closes over `{name}`")
         return function.__closure__[code.co_freevars.index(name)].cell_contents

@@ -416,6 +416,20 @@ def test_a_fused_head_that_no_longer_closes_over_its_temperature_is_refused(trl,
         trl_internals.fused_head_setting(model, model.__dict__["forward"], "temperature", 1.0)
 
 
+def test_a_fused_head_setting_it_does_not_close_over_is_refused(trl):
+    import types
+
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_llama()
+    add_fused_lm_head(model, temperature=0.5)
+    with changed("trl", r"`no_such_setting` add_fused_lm_head closes over"):
+        trl_internals.fused_head_setting(model, model.__dict__["forward"], "no_such_setting", 1.0)
+    # Why a forward of TRL's code is never without its closure: Python builds no such function.
+    with pytest.raises((TypeError, ValueError)):
+        types.FunctionType(trl_internals.fused_forward_code(), {})
+
+
 @pytest.mark.parametrize("peft_policy", [False, True], ids=["plain", "peft"])
 def test_a_fused_head_at_another_temperature_is_refused_by_the_engine(trl, peft_policy):
     """TRL patches a PEFT policy's base model (GRPO, DPO): its temperature is read from there too; it was read as 1
