@@ -384,3 +384,52 @@ def test_device_buckets_ready_together_step_in_one_call(optimizer_class, calls_p
             torch.testing.assert_close(p.detach(), ref_weights[-1][name], **TOL, msg=name)
     finally:
         engine.close()
+
+
+def _one_device_run(monkeypatch, cut_always: bool) -> tuple[int, int, object, dict[str, torch.Tensor]]:
+    """Three clipped AdamW steps on one CPU worker with every bucket on the device and the measured plan (after the
+    measured pass one fused task holds all layers but the bottom one); the number of passes, of the workers'
+    autograd calls, the partition of the passes after the measured one, and the weights at the end."""
+    from accelerate_roundpipe.runtime import worker as worker_module
+
+    backward_calls: list[int] = []
+    real_backward = worker_module._backward
+
+    def counting_backward(outputs, grads):
+        backward_calls.append(1)
+        real_backward(outputs, grads)
+
+    monkeypatch.setattr(worker_module, "_backward", counting_backward)
+    if cut_always:
+        monkeypatch.setattr(worker_module.Worker, "_one_backward", lambda self, job: False)
+    config = RoundPipeConfig(devices=["cpu"], num_microbatches=1, plan="measured", summary=False,
+                             optimizer_placement="device")
+    engine, optimizer = _build(config)
+    try:
+        batches = _batches(3)
+        for passes in batches:
+            for x, mask, y in passes:
+                engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+            optimizer.clip_grad_norm_(MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.synchronize()
+        return sum(map(len, batches)), len(backward_calls), engine.partition, _snapshot(engine.module)
+    finally:
+        engine.close()
+
+
+def test_a_fused_task_of_device_buckets_goes_back_in_one_autograd_call(monkeypatch):
+    """[Note: one backward for device gradients]: once the measured pass (cut layer by layer, to time each) is
+    done, the one fused task whose buckets all live on the device runs one backward, not one per layer, and the
+    weights are bitwise those of the layer-by-layer backward."""
+    passes, calls, partition, weights = _one_device_run(monkeypatch, cut_always=False)
+    layers = len(tied_model())
+    fused = partition.fused
+    assert len(fused.layers) > 1, partition
+    # the measured pass goes back layer by layer; after it the fused task once, the backward tasks layer by layer
+    assert calls == layers + (passes - 1) * (1 + layers - len(fused.layers)), (calls, partition)
+    passes, cut_calls, _, cut_weights = _one_device_run(monkeypatch, cut_always=True)
+    assert cut_calls == layers * passes
+    for name, tensor in cut_weights.items():
+        assert torch.equal(weights[name], tensor), name

@@ -278,26 +278,49 @@ class Worker:
         return grads
 
     def _forward_segments(self, job: TaskJob, params: TaskParams, layers: range, mb: int,
-                          inputs: tuple) -> tuple[list[tuple[int, tuple, tuple]], tuple]:
+                          inputs: tuple, cut: bool = True) -> tuple[list[tuple[int, tuple, tuple]], tuple]:
         """Run `layers` with autograd, each layer's graph cut from the next at its inputs (so the backward can go
-        one layer at a time). Returns the segments, top first, and the last outputs."""
+        one layer at a time), or with `cut` False as one graph, one segment. Returns the segments, top first, and
+        the last outputs."""
         segments, h = [], inputs
         for layer in layers:
-            x = h if layer == layers.start else _as_leaves(h, True)
+            x = h if layer == layers.start or not cut else _as_leaves(h, True)
             h = self._run_layer(job, params, layer, mb, x)
-            segments.append((layer, x, h))
+            if cut:
+                segments.append((layer, x, h))
+        if not cut:
+            segments.append((layers.start, inputs, h))
         segments.reverse()
         return segments, h
+
+    def _one_backward(self, job: TaskJob) -> bool:
+        """[Note: one backward for device gradients]
+        A fused task goes back one layer at a time so that each bucket's gradient download starts as soon as the
+        backward has passed it and overlaps the layers below. A bucket whose optimizer state lives on a device
+        has no download (its gradients are converted into a buffer on the device), so when every bucket the task
+        computes gradients for is such a bucket, nothing overlaps and the cuts only cost: one autograd call per
+        layer with its thread hand-over (the caller waits for the autograd thread, then for the GIL), an input
+        leaf and its gradient per layer, and gradients for floating inputs that need none (rotary tables). The
+        task then runs as one graph and one backward, and commits every bucket when it ends. Same operations on
+        the same values: the gradients are bitwise those of the layer-by-layer backward (a layer input's two
+        uses are summed once either way). The measured pass keeps the cuts: it times each layer's backward."""
+        if job.results.profile is not None:
+            return False
+        buckets = self.residency.store.buckets
+        return all(buckets[b].home is not None for b, _ in job.grad_tickets)
 
     def _fused(self, job: TaskJob) -> bool:
         task, plan = job.task, job.plan
         params = self._params(job, with_grad=True)
         commits = self.grad_commits.schedule(job)
+        cut = not self._one_backward(job)
+        if not cut and commits:  # every bucket at the end, top first as the backward would have reached them
+            commits = {task.span.start: [t for layer in sorted(commits, reverse=True) for t in commits[layer]]}
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
             inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
             with torch.enable_grad():
-                segments, h = self._forward_segments(job, params, task.span.layers, mb, inputs)
+                segments, h = self._forward_segments(job, params, task.span.layers, mb, inputs, cut)
                 loss = self._loss(plan, h, mb)
                 # The loss goes to the caller before its backward runs: the caller then queues the next pass while
                 # the GPU still works on this one, so the next task's uploads start without a drained pipeline.
