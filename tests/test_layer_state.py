@@ -31,6 +31,32 @@ class CachesInput(nn.Module):
         return x
 
 
+class FillsPresetSlot(nn.Module):
+    """Sets a tensor into an attribute that held None from __init__ (the attribute count does not change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = None
+
+    def forward(self, x):
+        self.last = x.detach()
+        return x
+
+
+class CachesOnThirdCall(nn.Module):
+    """Stateless for two runs (counting them in a plain int, which is no tensor state), then caches a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            self.cache = x.detach()
+        return x
+
+
 class Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -78,6 +104,7 @@ def _train(engine: RoundPipe) -> torch.Tensor:
     (CachesInput(), r"attribute 'cache' set"),
     (Nested(), r"buffer 'inner\.scale' reassigned"),
     (nn.BatchNorm1d(4), r"buffer 'num_batches_tracked' changed in place"),
+    (FillsPresetSlot(), r"attribute 'last' set"),
 ])
 def test_layer_state_changed_in_forward_is_refused(layer, what):
     engine = _engine(layer)
@@ -100,3 +127,18 @@ def test_reading_buffers_and_attributes_is_fine():
     engine.synchronize()
     assert torch.isfinite(loss)
     engine.close()
+
+
+def test_a_change_after_clean_runs_is_caught_and_plain_attributes_are_no_state():
+    """The cheap per-run snapshot stands for the full check: an int attribute bumped every run is no tensor state
+    (accepted), and a tensor cached on a later run is refused then."""
+    engine = RoundPipe(nn.Sequential(nn.Linear(4, 4), CachesOnThirdCall(), nn.Linear(4, 3)),
+                       RoundPipeConfig(devices=["cpu"], num_microbatches=1))
+    try:
+        with torch.no_grad():
+            engine(torch.randn(4, 4))
+            engine(torch.randn(4, 4))
+            with pytest.raises(StatefulLayerError, match=r"layer 1 \(CachesOnThirdCall\).*attribute 'cache' set"):
+                engine(torch.randn(4, 4))
+    finally:
+        engine.close()
