@@ -5,7 +5,7 @@
 #   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
-# placement-small, placement-cap24, small-gap, step-profile, kernels-choice. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# placement-small, placement-cap24, small-gap, step-profile, kernels-choice, small-check. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
-WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice"
+WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice small-check"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -158,8 +158,14 @@ run_ours() {
       --variant own-layers:kernels=none --out "$OUT/profile"
     for k in liger none; do
       ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
-        --roundpipe kernels=$k
+        --kernels $k
     done ;;
+  small-check)  # the 168M preset, 100 steps beside the plain Trainer: RoundPipeTrainer at its defaults and with
+    # Liger's kernels (each in its own process)
+    step 100 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 100 \
+      --eval-every 1000 --variant default:optimizer_placement=auto --out "$OUT"
+    step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
+      --eval-every 1000 --variant liger:kernels=liger --out "$OUT" ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
