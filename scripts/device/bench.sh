@@ -5,7 +5,8 @@
 #   BENCH_COMMIT=<commit> bash scripts/device/bench.sh WORKLOAD... [anchors]
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
-# placement-small, placement-cap24, small-gap, step-profile, kernels-choice, small-check. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
+# small-check. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
-WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice small-check"
+WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -156,6 +157,8 @@ run_ours() {
       --eval-every 1000 --switch-interval 0.001 --variant own-layers-switch0.001:kernels=none --out "$OUT"
     step 100 python3 benchmarks/step_profile.py --preset gpu --steps 60 --window 40:50 --systems "" \
       --variant own-layers:kernels=none --out "$OUT/profile"
+    run_ours kernels-1.7b ;;
+  kernels-1.7b)  # Qwen3-1.7B, RoundPipeTrainer at its defaults, Liger against the model's own layers
     for k in liger none; do
       ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
         --kernels $k
