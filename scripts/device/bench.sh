@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# small-check, small-alone. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
-WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check"
+WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -169,6 +169,14 @@ run_ours() {
       --eval-every 1000 --variant default:optimizer_placement=auto --out "$OUT"
     step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
       --eval-every 1000 --variant liger:kernels=liger --out "$OUT" ;;
+  small-alone)  # the 168M preset: is RoundPipeTrainer slower in a process that trained the plain Trainer first?
+    # A profile of it alone, then 100 steps after the plain Trainer in one process and alone in another
+    step 100 python3 benchmarks/step_profile.py --preset gpu --steps 60 --window 40:50 --systems "" \
+      --variant auto:optimizer_placement=auto --out "$OUT/profile"
+    step 100 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 100 \
+      --eval-every 1000 --variant after-hf:optimizer_placement=auto --out "$OUT"
+    step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
+      --eval-every 1000 --variant alone:optimizer_placement=auto --out "$OUT" ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
