@@ -71,7 +71,8 @@ class GradCommits:
         like = bucket.optim[slice(*window)]
         if bucket.home is None:
             return self.store.grad_pool.take(like)
-        return self.device.empty_grads_on(bucket.home, like.numel(), like.dtype)
+        spare = bucket.take_spare_grad(like.numel(), like.dtype)  # [Note: device gradient buffers reused]
+        return spare if spare is not None else self.device.empty_grads_on(bucket.home, like.numel(), like.dtype)
 
     def finish(self, job: TaskJob, params: TaskParams, commits: dict) -> bool:
         """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
@@ -112,5 +113,7 @@ class GradCommits:
                 raise
             finally:
                 bucket.grads.end(ticket)
-            if bucket.home is None:  # a device buffer is simply dropped: its kernels are done (bucket.settle)
+            if bucket.home is None:
                 self.store.grad_pool.give(spare)
+            else:  # its kernels are done (bucket.settle): the next download may convert into it
+                bucket.give_spare_grad(spare)
