@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# small-check, small-alone, placement-small-alone, trainer-1.7b. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
-WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone"
+WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -177,6 +177,17 @@ run_ours() {
       --eval-every 1000 --variant after-hf:optimizer_placement=auto --out "$OUT"
     step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
       --eval-every 1000 --variant alone:optimizer_placement=auto --out "$OUT" ;;
+  placement-small-alone)  # issue 26's small-model target, each system in a process of its own (a user trains one
+    # model a process; a RoundPipe run after the plain Trainer in one process was 12% slower a step, unexplained),
+    # after a warm-up of both (Liger's Triton kernels compiled into the cache, as on a user's second run)
+    step 70 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 20 \
+      --eval-every 1000 --variant warm-up:optimizer_placement=auto --out "$OUT/warmup"
+    step 90 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --out "$OUT"
+    step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
+      --variant auto:optimizer_placement=auto --out "$OUT" ;;
+  trainer-1.7b)  # Qwen3-1.7B s4096 b8, RoundPipeTrainer at its defaults (exact, clip 1.0, logging 10)
+    ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
+      --roundpipe optimizer_placement=auto ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
