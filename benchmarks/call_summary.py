@@ -82,7 +82,8 @@ def convergence_lines(records: list[dict]) -> list[str]:
             f"{_ratio(r.get('tokens_per_s_median_step'), med.get(r['regime']))})"
             f"  held-out {r['final_eval_loss']:.4f}  "
             f"train loss {_losses(r.get('losses'))}  {s.get('optimizer_mode')}, placement {placement}, "
-            f"clip {s.get('max_grad_norm')}, logging {s.get('logging_steps')}, {r.get('train_s')} s")
+            f"clip {s.get('max_grad_norm')}, logging {s.get('logging_steps')}, {r.get('train_s')} s, "
+            f"first step {r.get('first_step_s', '-')} s")
     return lines
 
 

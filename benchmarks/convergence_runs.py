@@ -84,6 +84,9 @@ class _History:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 history.add(state.global_step, logs or {})
 
+            def on_train_begin(self, args, state, control, **kwargs):
+                history.train_begin = time.perf_counter()
+
             def on_step_end(self, args, state, control, **kwargs):
                 history.step_ends.append(time.perf_counter())
 
@@ -93,6 +96,16 @@ class _History:
         self.evals: list[tuple[int, float]] = []
         self.eval_s: list[float] = []
         self.step_ends: list[float] = []  # wall clock at each optimizer step's end (the Trainer's view)
+        self.train_begin: float | None = None
+
+    def start_up(self) -> dict:
+        """Where a run's fixed cost goes: from the training's start to the first step's end (the engine is built,
+        the measured pass planned, kernels compiled there), and the next steps' durations (ms)."""
+        if self.train_begin is None or not self.step_ends:
+            return {}
+        ends = [self.train_begin, *self.step_ends[:12]]
+        return {"first_step_s": round(ends[1] - ends[0], 3),
+                "early_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(ends[1:], ends[2:])]}
 
     def median_step_s(self) -> float | None:
         """The median time between two step ends past the first 10 steps (start-up, measured pass and re-plan,
@@ -174,6 +187,7 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
               "grad_norms": history.grad_norms, "evals": evals,
               "final_eval_loss": final_eval, "train_s": round(train_s, 3),
               "tokens_per_s": round(tokens / train_s, 1)}
+    record.update(history.start_up())
     median = history.median_step_s()
     if median is not None:
         record["median_step_ms"] = round(median * 1e3, 3)
