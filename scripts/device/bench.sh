@@ -184,7 +184,11 @@ run_ours() {
       --eval-every 1000 --variant warm-up:optimizer_placement=auto --out "$OUT/warmup"
     step 90 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --out "$OUT"
     step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
-      --variant auto:optimizer_placement=auto --out "$OUT" ;;
+      --variant auto:optimizer_placement=auto --out "$OUT"
+    step 120 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
+      --variant host:optimizer_placement=host --out "$OUT"
+    step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --switch-interval 0.001 \
+      --variant auto-switch0.001:optimizer_placement=auto --out "$OUT" ;;
   trainer-1.7b)  # Qwen3-1.7B s4096 b8, RoundPipeTrainer at its defaults (exact, clip 1.0, logging 10)
     ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
       --roundpipe optimizer_placement=auto ;;
