@@ -122,13 +122,16 @@ class LateGradNorm:
         # hold the bucket's parameters (gradients final) and the step's settings, the tag included.
         if all(group.get(STEP_TAG) is None for group in optimizer.param_groups):
             return  # a step whose norm nobody will read
-        squares, count, step_index = 0.0, 0, None
+        count, step_index, sums = 0, None, []
         for group in optimizer.param_groups:
             step_index = group.get(STEP_TAG, step_index)
             count += len(group["params"])
             grads = [p.grad for p in group["params"] if p.grad is not None]
             if grads:  # one vectorised call per group (a bucket), not one reduction per tensor
-                squares += float(torch.stack(foreach_norms(grads)).float().pow(2).sum())
+                sums.append(torch.stack(foreach_norms(grads)).float().pow(2).sum())
+        # Read once every group's reduction is queued: with gradients on a GPU each read waits for the device, and
+        # the first wait then covers them all.
+        squares = sum(float(s) for s in sums)
         if step_index is None:
             return
         with self._lock:
