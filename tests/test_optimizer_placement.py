@@ -130,15 +130,17 @@ def _build(config: RoundPipeConfig):
     return engine, optimizer
 
 
-def _train(engine, optimizer, batches, look_every_step: bool = True):
+def _train(engine, optimizer, batches, look_every_step: bool = True, after_step=None):
     """Steps of accumulated, clipped AdamW; the norms, the passes' losses and (when looking) the weights after each
-    step as `engine.module` shows them after a synchronize."""
+    step as `engine.module` shows them after a synchronize. `after_step()` runs between a step and its zero_grad."""
     norms, losses, weights = [], [], []
     for passes in batches:
         for x, mask, y in passes:
             losses.append(engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy))
         norms.append(float(optimizer.clip_grad_norm_(MAX_NORM)))
         optimizer.step()
+        if after_step is not None:
+            after_step()
         optimizer.zero_grad()
         if look_every_step:
             engine.synchronize()
@@ -407,12 +409,7 @@ def _one_device_run(monkeypatch, cut_always: bool) -> tuple[int, int, object, di
     engine, optimizer = _build(config)
     try:
         batches = _batches(3)
-        for passes in batches:
-            for x, mask, y in passes:
-                engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
-            optimizer.clip_grad_norm_(MAX_NORM)
-            optimizer.step()
-            optimizer.zero_grad()
+        _train(engine, optimizer, batches, look_every_step=False)
         engine.synchronize()
         return sum(map(len, batches)), len(backward_calls), engine.partition, _snapshot(engine.module)
     finally:
@@ -444,17 +441,14 @@ def test_device_gradient_buffers_alternate_between_two_and_keep_their_views():
         # the objects themselves are kept: an id or an address freed and reused would pass for the same buffer
         buffers = {b.index: {} for b in buckets}
         views = {b.index: {} for b in buckets}
-        batches = _batches(6)
-        for passes in batches:
-            for x, mask, y in passes:
-                engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
-            optimizer.clip_grad_norm_(MAX_NORM)
-            optimizer.step()
+        def record() -> None:
             engine.synchronize()
             for b in buckets:
                 buffers[b.index][id(b.grad)] = b.grad
                 views[b.index].update((id(slot.optim.grad), slot.optim.grad) for slot in b.slots)
-            optimizer.zero_grad()
+
+        batches = _batches(6)
+        _train(engine, optimizer, batches, look_every_step=False, after_step=record)
         for b in buckets:
             assert len(buffers[b.index]) == 2, (b.index, buffers[b.index])
             assert len(views[b.index]) == 2 * len(b.slots), b.index
