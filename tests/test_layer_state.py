@@ -57,6 +57,27 @@ class CachesOnThirdCall(nn.Module):
         return x
 
 
+class FoldsOnEval(nn.Module):
+    """Makes a tensor in its own train(False) (the engine's mode switch, between runs, not its forward), bumps an
+    int every run (a replacement: the full check runs each time) and caches its input on its third run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if not mode:
+            self.folded = torch.ones(4)
+        return self
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            self.cache = x.detach()
+        return x
+
+
 class Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -139,6 +160,23 @@ def test_a_change_after_clean_runs_is_caught_and_plain_attributes_are_no_state()
             engine(torch.randn(4, 4))
             engine(torch.randn(4, 4))
             with pytest.raises(StatefulLayerError, match=r"layer 1 \(CachesOnThirdCall\).*attribute 'cache' set"):
+                engine(torch.randn(4, 4))
+    finally:
+        engine.close()
+
+
+def test_a_tensor_made_by_a_mode_switch_is_not_blamed_on_the_next_forward():
+    """A tensor a layer makes in its own train()/eval() is made between runs: the runs after the switch are checked
+    from the state after it (no error blaming the forward), and a tensor a later forward caches is still refused."""
+    engine = RoundPipe(nn.Sequential(nn.Linear(4, 4), FoldsOnEval(), nn.Linear(4, 3)),
+                       RoundPipeConfig(devices=["cpu"], num_microbatches=1))
+    try:
+        with torch.no_grad():
+            engine(torch.randn(4, 4))  # training mode: the layer's copy is made without `folded`
+            engine.eval()
+            assert torch.isfinite(engine(torch.randn(4, 4))).all()  # its copy's train(False) made `folded`
+            with pytest.raises(StatefulLayerError,
+                               match=r"layer 1 \(FoldsOnEval\) changed its state in forward: attribute 'cache' set\. "):
                 engine(torch.randn(4, 4))
     finally:
         engine.close()

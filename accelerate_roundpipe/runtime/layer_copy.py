@@ -74,8 +74,7 @@ class LayerCopy:
         self._modules = list(self.module.named_modules(remove_duplicate=False))
         self._dicts = [vars(module) for _, module in self._modules]
         self._buffer_dicts = [module._buffers for _, module in self._modules]
-        self._checked = LayerState(self._modules)  # the state every run so far was checked against
-        self._tensors = [tensor for tensor, _ in self._checked.entries.values() if tensor is not None]
+        self._check_from_now()  # `_checked`: the state every run so far was checked against
 
     def bind(self, tensor_for: Callable[[Binding], torch.Tensor]) -> None:
         """Point every parameter use at its uploaded tensor (`tensor_for(binding)`)."""
@@ -92,6 +91,14 @@ class LayerCopy:
     def set_training(self, training: bool) -> None:
         if self.module.training != training:
             self.module.train(training)
+            # A module's own train() may change its tensors (a cache made on eval()): the engine's doing, between
+            # runs, so the next run is checked from here ([Note: stateless layers]), as it was before the snapshot.
+            self._check_from_now()
+
+    def _check_from_now(self) -> None:
+        """Take the state now as the one the next runs are checked against."""
+        self._checked = LayerState(self._modules)
+        self._tensors = [tensor for tensor, _ in self._checked.entries.values() if tensor is not None]
 
     def state(self) -> tuple:
         """A cheap snapshot to check a run against ([Note: stateless layers]): the identity of every attribute and
