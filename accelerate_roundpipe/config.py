@@ -262,7 +262,7 @@ class RoundPipeConfig:
             crossing PCIe; "host" keeps every bucket in host memory, stepped by the CPU; "auto" is "device" on GPUs
             (one process) with the budget's default share, else "host". Default: "auto".
         optimizer_device_budget (`float` GiB or a string like "8GiB", env `ROUNDPIPE_OPTIMIZER_DEVICE_BUDGET`): GPU
-            memory, per device, that optimizer placement may fill (16 bytes a parameter with AdamW). Default: half
+            memory, per device, that optimizer placement may fill (20 bytes a parameter with AdamW). Default: half
             of `gpu_memory_budget` (the other half stays for stages and saved inputs); no limit for CPU workers.
         data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
             `torch.distributed` (one process per machine, each an engine over its local devices; see

@@ -43,8 +43,9 @@ def _config(placement: str, budget: float | None = None, lagged: bool = False) -
 
 
 def _bucket_bytes(bucket) -> int:
-    """What placing a bucket costs: master copy, gradient and AdamW's two moments, in the optimizer dtype."""
-    return bucket.optim.numel() * bucket.optim.element_size() * 4
+    """What placing a bucket costs: master copy, gradient, the spare gradient buffer and AdamW's two moments, in the
+    optimizer dtype."""
+    return bucket.optim.numel() * bucket.optim.element_size() * 5
 
 
 @functools.cache

@@ -109,8 +109,9 @@ def _layers(layers: tuple[int, ...]) -> str:
 
 
 def device_bytes_of(bucket: Bucket, copies: int) -> int:
-    """A bucket's bytes on a device: its optimizer copy, its gradient and `copies` state tensors of that size."""
-    return bucket.optim.numel() * bucket.optim.element_size() * (2 + copies)
+    """A bucket's bytes on a device: its optimizer copy, its gradient, the spare gradient buffer the next download
+    converts into ([Note: device gradient buffers reused]) and `copies` state tensors of that size."""
+    return bucket.optim.numel() * bucket.optim.element_size() * (3 + copies)
 
 
 def plan_placement(setting: str, buckets: list[Bucket], homes: list[torch.device], budget_bytes: float | None,

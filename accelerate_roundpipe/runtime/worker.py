@@ -301,13 +301,16 @@ class Worker:
         computes gradients for is such a bucket, nothing overlaps and the cuts only cost: one autograd call per
         layer with its thread hand-over (the caller waits for the autograd thread, then for the GIL), an input
         leaf and its gradient per layer, and gradients for floating inputs that need none (rotary tables). The
-        task then runs as one graph and one backward, and commits every bucket when it ends. Same operations on
-        the same values: the gradients are bitwise those of the layer-by-layer backward (a layer input's two
-        uses are summed once either way). The measured pass keeps the cuts: it times each layer's backward."""
+        task then runs as one graph and one backward, and commits every bucket when it ends. The same sums: the
+        gradients are bitwise those of the layer-by-layer backward, except where one tensor feeds two layers of
+        the task (a tied embedding and head) and micro-batches accumulate, where its two uses are added before
+        their sum joins the earlier micro-batches' (a rounding-level difference: 5e-17 in float64). A bucket at
+        home on another device keeps the cuts (its copy across devices does overlap the layers below), and the
+        measured pass keeps them too: it times each layer's backward."""
         if job.results.profile is not None:
             return False
-        buckets = self.residency.store.buckets
-        return all(buckets[b].home is not None for b, _ in job.grad_tickets)
+        buckets, here = self.residency.store.buckets, self.device.device
+        return all(buckets[b].home == here for b, _ in job.grad_tickets)
 
     def _fused(self, job: TaskJob) -> bool:
         task, plan = job.task, job.plan
