@@ -389,7 +389,8 @@ def test_device_buckets_ready_together_step_in_one_call(optimizer_class, calls_p
         engine.close()
 
 
-def _one_device_run(monkeypatch, cut_always: bool) -> tuple[int, int, object, dict[str, torch.Tensor]]:
+def _one_device_run(monkeypatch, cut_always: bool,
+                    microbatches: int = 1) -> tuple[int, int, object, dict[str, torch.Tensor]]:
     """Three clipped AdamW steps on one CPU worker with every bucket on the device and the measured plan (after the
     measured pass one fused task holds all layers but the bottom one); the number of passes, of the workers'
     autograd calls, the partition of the passes after the measured one, and the weights at the end."""
@@ -405,7 +406,7 @@ def _one_device_run(monkeypatch, cut_always: bool) -> tuple[int, int, object, di
     monkeypatch.setattr(worker_module, "_backward", counting_backward)
     if cut_always:
         monkeypatch.setattr(worker_module.Worker, "_one_backward", lambda self, job: False)
-    config = RoundPipeConfig(devices=["cpu"], num_microbatches=1, plan="measured", summary=False,
+    config = RoundPipeConfig(devices=["cpu"], num_microbatches=microbatches, plan="measured", summary=False,
                              optimizer_placement="device")
     engine, optimizer = _build(config)
     try:
@@ -417,18 +418,20 @@ def _one_device_run(monkeypatch, cut_always: bool) -> tuple[int, int, object, di
         engine.close()
 
 
-def test_a_fused_task_of_device_buckets_goes_back_in_one_autograd_call(monkeypatch):
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_fused_task_of_device_buckets_goes_back_in_one_autograd_call(monkeypatch, microbatches):
     """[Note: one backward for device gradients]: once the measured pass (cut layer by layer, to time each) is
     done, the one fused task whose buckets all live on the device runs one backward, not one per layer, and the
     weights are bitwise those of the layer-by-layer backward."""
-    passes, calls, partition, weights = _one_device_run(monkeypatch, cut_always=False)
+    passes, calls, partition, weights = _one_device_run(monkeypatch, cut_always=False, microbatches=microbatches)
     layers = len(tied_model())
     fused = partition.fused
-    assert len(fused.layers) > 1, partition
-    # the measured pass goes back layer by layer; after it the fused task once, the backward tasks layer by layer
-    assert calls == layers + (passes - 1) * (1 + layers - len(fused.layers)), (calls, partition)
-    passes, cut_calls, _, cut_weights = _one_device_run(monkeypatch, cut_always=True)
-    assert cut_calls == layers * passes
+    assert len(fused.layers) > 1 and fused.start > 0, partition  # its input gradients go back to layer 0's task
+    # the measured pass goes back layer by layer; after it the fused task once, the backward tasks layer by layer,
+    # each per micro-batch
+    assert calls == microbatches * (layers + (passes - 1) * (1 + layers - len(fused.layers))), (calls, partition)
+    passes, cut_calls, _, cut_weights = _one_device_run(monkeypatch, cut_always=True, microbatches=microbatches)
+    assert cut_calls == microbatches * layers * passes
     for name, tensor in cut_weights.items():
         assert torch.equal(weights[name], tensor), name
 
