@@ -66,11 +66,13 @@ def run_in_process(script: str, argv: list[str], roundpipe: bool, env: dict[str,
 
 def subprocess_env(tmp_dir: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """A clean environment for launched runs: offline, one intra-op thread, a private HF home (so no user-level
-    accelerate config is picked up), no inherited ROUNDPIPE_* settings."""
+    accelerate config is picked up), no inherited ROUNDPIPE_* settings. Python's fault handler is on: a run that
+    aborts (the rare SIGABRT at the exit of a healthy two-process run, see the closing notes) then prints every
+    thread's stack into the output the failing assertion shows."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROUNDPIPE_")}
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HOME": os.path.join(tmp_dir, "hf_home"),
                 "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", "")})
+                "PYTHONFAULTHANDLER": "1", "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", "")})
     env.update(extra or {})
     return env
 
