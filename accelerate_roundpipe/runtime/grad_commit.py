@@ -74,10 +74,15 @@ class GradCommits:
         spare = bucket.take_spare_grad(like.numel(), like.dtype)  # [Note: device gradient buffers reused]
         return spare if spare is not None else self.device.empty_grads_on(bucket.home, like.numel(), like.dtype)
 
+    @staticmethod
+    def in_backward_order(commits: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        """Every ticket of `commits` (layer -> tickets), top layer first, as a backward reaches them."""
+        return [t for layer in sorted(commits, reverse=True) for t in commits[layer]]
+
     def finish(self, job: TaskJob, params: TaskParams, commits: dict) -> bool:
         """Commit what the last micro-batch's backward did not (a loss without grad); True if a commit was issued."""
         if commits:
-            remaining = [t for layer in sorted(commits, reverse=True) for t in commits[layer]]
+            remaining = self.in_backward_order(commits)
             commits.clear()
             self.commit(job, params, remaining, last=True)
         return bool(job.grad_tickets)

@@ -318,7 +318,7 @@ class Worker:
         commits = self.grad_commits.schedule(job)
         cut = not self._one_backward(job)
         if not cut and commits:  # every bucket at the end, top first as the backward would have reached them
-            commits = {task.span.start: [t for layer in sorted(commits, reverse=True) for t in commits[layer]]}
+            commits = {task.span.start: self.grad_commits.in_backward_order(commits)}
         mbs = range(*task.microbatches)
         for j, mb in enumerate(mbs):
             inputs = _as_leaves(self.device.receive(job.inputs[j].take(self.failure)), task.span.start > 0)
