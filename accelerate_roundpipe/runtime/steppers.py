@@ -93,13 +93,7 @@ class BucketSteppers:
         stepper, members = self._steppers[bucket.index]
         for group, i in zip(stepper.param_groups, members):
             group.update(hyper[i])
-        if grad_scale is not None:
-            stepper.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
-        try:
-            type(stepper).step(stepper)  # the class's step: [Note: scheduler step count]
-        finally:
-            if grad_scale is not None:
-                del stepper.grad_scale
+        _step_with_scale(stepper, grad_scale)
 
     def step_together(self, buckets: list[Bucket], hyper: list[dict[str, Any]],
                       grad_scale: float | None = None) -> None:
@@ -115,6 +109,16 @@ class BucketSteppers:
                 params[i].extend(group["params"])
         together = shallow_copy(self._steppers[buckets[0].index][0],
                                 [dict(hyper[i], params=params[i]) for i in members])
+        _step_with_scale(together, grad_scale)
+
+
+def _step_with_scale(stepper: torch.optim.Optimizer, grad_scale: float | None) -> None:
+    """The class's own step of `stepper` ([Note: scheduler step count]); with `grad_scale`, the fused kernel divides
+    the gradients by it as it reads them ([Note: clip in the kernel]), for this call only."""
+    if grad_scale is not None:
+        stepper.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
+    try:
+        type(stepper).step(stepper)
+    finally:
         if grad_scale is not None:
-            together.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)
-        type(together).step(together)  # the class's step: [Note: scheduler step count]
+            del stepper.grad_scale
