@@ -6,7 +6,10 @@ A classic schedule binds each stage to one device for both its forward and its b
 F(s, m) after F(s-1, m); B(s, m) after B(s+1, m), and B(last, m) after F(last, m).
 
 `compare_bubbles` puts them beside RoundPipe (sync: one iteration with its warm-up and cool-down; async: the steady
-state of iterations that flow into each other, the optimizer step running beside the next iteration).
+state of iterations that flow into each other, the optimizer step running beside the next iteration). A classic
+schedule binds one stage to a device, so some counts cannot be built (more stages than layers; interleaved 1F1B's
+micro-batches not in whole groups of the device count): its builder raises `ScheduleNotBuilt` and the comparison
+holds a `NotBuilt` saying why in its place. RoundPipe has no such limit: its numbers are always there.
 """
 
 from __future__ import annotations
@@ -27,6 +30,33 @@ class ClassicSchedule:
     name: str
     stages: tuple[Span, ...]  # layer spans, stage s on device s % num_devices
     device_ops: tuple[tuple[Op, ...], ...]
+
+
+class ScheduleNotBuilt(ValueError):
+    """A classic schedule that cannot be built for these counts; `reason` says why ("needs ...")."""
+
+    def __init__(self, schedule: str, reason: str):
+        super().__init__(f"{schedule} {reason}.")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class NotBuilt:
+    """In `compare_bubbles`'s result: this schedule could not be built, and why (printed as "n/a: <why>")."""
+    reason: str
+
+    def __str__(self) -> str:
+        return f"n/a: {self.reason}"
+
+
+def _stage_spans(schedule: str, costs: Sequence[float], num_devices: int, chunks: int | None = None
+                 ) -> tuple[Span, ...]:
+    """One stage per device (`chunks` per device for the virtual-stage schedules), each at least one layer."""
+    stages = num_devices * (chunks or 1)
+    if stages > len(costs):
+        per = f"{num_devices} devices x {chunks} chunks" if chunks else "one per device"
+        raise ScheduleNotBuilt(schedule, f"needs {stages} stages ({per}), more than the {len(costs)} layers")
+    return balanced_spans(costs, stages)
 
 
 def balanced_spans(costs: Sequence[float], num_stages: int) -> tuple[Span, ...]:
@@ -61,14 +91,14 @@ def balanced_spans(costs: Sequence[float], num_stages: int) -> tuple[Span, ...]:
 
 
 def gpipe(num_devices: int, num_microbatches: int, costs: Sequence[float]) -> ClassicSchedule:
-    stages = balanced_spans(costs, num_devices)
+    stages = _stage_spans("GPipe", costs, num_devices)
     ops = tuple(tuple([("F", d, m) for m in range(num_microbatches)] + [("B", d, m) for m in range(num_microbatches)])
                 for d in range(num_devices))
     return ClassicSchedule("gpipe", stages, ops)
 
 
 def one_f_one_b(num_devices: int, num_microbatches: int, costs: Sequence[float]) -> ClassicSchedule:
-    stages = balanced_spans(costs, num_devices)
+    stages = _stage_spans("1F1B", costs, num_devices)
     ops = []
     for d in range(num_devices):
         warmup = min(num_devices - d - 1, num_microbatches)
@@ -88,8 +118,9 @@ def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, costs: Sequ
                             chunks: int = 2) -> ClassicSchedule:
     """Megatron's interleaved 1F1B: `chunks` virtual stages per device, micro-batches in groups of N."""
     if num_microbatches % num_devices:
-        raise ValueError("interleaved 1F1B needs the micro-batch count to be a multiple of the device count.")
-    stages = balanced_spans(costs, num_devices * chunks)
+        raise ScheduleNotBuilt("interleaved 1F1B", f"needs micro-batches a multiple of devices ({num_microbatches} "
+                                                   f"micro-batches on {num_devices} devices)")
+    stages = _stage_spans("interleaved 1F1B", costs, num_devices, chunks)
     total = num_microbatches * chunks
 
     def virtual(k: int, forward: bool) -> tuple[int, int]:
@@ -122,7 +153,7 @@ def interleaved_one_f_one_b(num_devices: int, num_microbatches: int, costs: Sequ
 def looped_bfs(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2) -> ClassicSchedule:
     """Breadth-first looping: every micro-batch through a device's first chunk, then its next chunk, ...; the
     backward in reverse."""
-    stages = balanced_spans(costs, num_devices * chunks)
+    stages = _stage_spans("looped BFS", costs, num_devices, chunks)
     ops = []
     for d in range(num_devices):
         own = [c * num_devices + d for c in range(chunks)]
@@ -235,9 +266,10 @@ def roundpipe_split_head_bubble(num_devices: int, num_microbatches: int, costs: 
 
 
 def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[float], chunks: int = 2,
-                    split_head: bool = False) -> dict:
-    """Bubble ratios, in [0, 1], of every schedule for one cost profile. With `split_head` the last layer (the LM
-    head) is cut into vocabulary shards: RoundPipe's planner picks their number and the stage counts
+                    split_head: bool = False) -> dict[str, float | NotBuilt]:
+    """Bubble ratios, in [0, 1], of every schedule for one cost profile; a classic schedule that cannot be built for
+    these counts is a `NotBuilt` saying why (RoundPipe's two are always numbers). With `split_head` the last layer
+    (the LM head) is cut into vocabulary shards: RoundPipe's planner picks their number and the stage counts
     (`split_head_plan`), and the classic schedules get the head in as many shards as RoundPipe's sync plan (their
     backward at `backward_ratio` like every layer's; RoundPipe's shards also recompute their logits)."""
     if split_head:
@@ -250,11 +282,19 @@ def compare_bubbles(num_devices: int, num_microbatches: int, costs: Sequence[flo
         sync = roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=False)
         lagged = roundpipe_bubble(num_devices, num_microbatches, costs, asynchronous=True)
     c = classic_costs
+
+    def classic(build) -> float | NotBuilt:
+        try:
+            schedule = build()
+        except ScheduleNotBuilt as e:
+            return NotBuilt(e.reason)
+        return simulate_classic(schedule, c)
+
     return {
-        "gpipe": simulate_classic(gpipe(num_devices, num_microbatches, c), c),
-        "1f1b": simulate_classic(one_f_one_b(num_devices, num_microbatches, c), c),
-        "interleaved_1f1b": simulate_classic(interleaved_one_f_one_b(num_devices, num_microbatches, c, chunks), c),
-        "looped_bfs": simulate_classic(looped_bfs(num_devices, num_microbatches, c, chunks), c),
+        "gpipe": classic(lambda: gpipe(num_devices, num_microbatches, c)),
+        "1f1b": classic(lambda: one_f_one_b(num_devices, num_microbatches, c)),
+        "interleaved_1f1b": classic(lambda: interleaved_one_f_one_b(num_devices, num_microbatches, c, chunks)),
+        "looped_bfs": classic(lambda: looped_bfs(num_devices, num_microbatches, c, chunks)),
         "roundpipe_sync": sync,
         "roundpipe_async": lagged,
     }
