@@ -83,7 +83,9 @@ def convergence_lines(records: list[dict]) -> list[str]:
             f"  held-out {r['final_eval_loss']:.4f}  "
             f"train loss {_losses(r.get('losses'))}  {s.get('optimizer_mode')}, placement {placement}, "
             f"clip {s.get('max_grad_norm')}, logging {s.get('logging_steps')}, {r.get('train_s')} s, "
-            f"first step {r.get('first_step_s', '-')} s")
+            f"first step {r.get('first_step_s', '-')} s (prepare {r.get('prepare_s', '-')} s); whole train() "
+            f"{r.get('train_runtime_s', '-')} s, evaluations {r.get('eval_runtime_s', '-')} s, final evaluate "
+            f"{r.get('final_eval_runtime_s', '-')} s = {r.get('final_eval_samples_per_s', '-')} samples/s")
     return lines
 
 

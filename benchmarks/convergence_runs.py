@@ -84,6 +84,9 @@ class _History:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 history.add(state.global_step, logs or {})
 
+            def on_init_end(self, args, state, control, **kwargs):
+                history.init_end = time.perf_counter()
+
             def on_train_begin(self, args, state, control, **kwargs):
                 history.train_begin = time.perf_counter()
 
@@ -97,6 +100,7 @@ class _History:
         self.eval_s: list[float] = []
         self.step_ends: list[float] = []  # wall clock at each optimizer step's end (the Trainer's view)
         self.train_begin: float | None = None
+        self.init_end: float | None = None  # the Trainer built; train() follows and prepares the model
 
     def start_up(self) -> dict:
         """Where a run's fixed cost goes: from the training's start to the first step's end (the engine is built,
@@ -104,7 +108,8 @@ class _History:
         if self.train_begin is None or not self.step_ends:
             return {}
         ends = [self.train_begin, *self.step_ends[:12]]
-        return {"first_step_s": round(ends[1] - ends[0], 3),
+        prepare = {} if self.init_end is None else {"prepare_s": round(self.train_begin - self.init_end, 3)}
+        return {**prepare, "first_step_s": round(ends[1] - ends[0], 3),
                 "early_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(ends[1:], ends[2:])]}
 
     def median_step_s(self) -> float | None:
@@ -177,7 +182,8 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
             torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
         evals = list(history.evals)  # the Trainer's own, before the final evaluate() below adds its entry
-        final_eval = float(trainer.evaluate()["eval_loss"])
+        final_metrics = trainer.evaluate()
+        final_eval = float(final_metrics["eval_loss"])
         settings = _settings(trainer, engine, regime, sizes)
         if engine is not None:
             engine.close()
@@ -186,6 +192,10 @@ def train(system: System, model_config, init_state: dict, train_set, eval_set, r
     record = {"system": system.name, "settings": settings, "losses": history.losses,
               "grad_norms": history.grad_norms, "evals": evals,
               "final_eval_loss": final_eval, "train_s": round(train_s, 3),
+              # what a user waits for: the whole train() (its evaluations included) and each evaluation
+              "train_runtime_s": round(wall_s, 3), "eval_runtime_s": [round(t, 3) for t in history.eval_s],
+              "final_eval_runtime_s": round(float(final_metrics["eval_runtime"]), 3),
+              "final_eval_samples_per_s": round(float(final_metrics["eval_samples_per_second"]), 2),
               "tokens_per_s": round(tokens / train_s, 1)}
     record.update(history.start_up())
     median = history.median_step_s()

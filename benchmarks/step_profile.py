@@ -15,8 +15,11 @@ The profiler slows every system; compare the systems with each other here and ta
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import shutil
 import sys
 import tempfile
@@ -44,29 +47,53 @@ def _all_threads():
         return None
 
 
-class ProfileWindow:
-    """Trainer callback: torch.profiler over the steps [start, end) (global step numbers, counted from 0)."""
+PHASES = ("steps", "start-up", "evaluate")
 
-    def __init__(self, start: int, end: int, trace_path: Path) -> None:
+
+class ProfileWindow:
+    """Trainer callback: torch.profiler over one phase of a run (global step numbers, counted from 0):
+    - `steps`: the steps [start, end);
+    - `start-up`: from the Trainer's construction (then `train()` builds the engine, the first pass is measured and
+      the plan made) to the end of step `end`;
+    - `evaluate`: the evaluation the Trainer runs after step `end` (its `eval_steps` must be `end`)."""
+
+    def __init__(self, start: int, end: int, trace_path: Path, phase: str = "steps") -> None:
         from transformers import TrainerCallback
 
         window = self
-        self.start, self.end, self.trace_path = start, end, trace_path
+        self.start, self.end, self.trace_path, self.phase = start, end, trace_path, phase
         self.profiler = None
+        self.python_profile: cProfile.Profile | None = None
+        self.python_top = ""  # the caller thread's functions by cumulative time (start-up, evaluate)
         self.wall_s: float | None = None
 
         class Callback(TrainerCallback):
+            def on_init_end(self, args, state, control, **kwargs):
+                if window.phase == "start-up":  # train() follows; it prepares the model before on_train_begin
+                    window.begin()
+
             def on_step_begin(self, args, state, control, **kwargs):
-                if state.global_step == window.start:
+                if window.phase == "steps" and state.global_step == window.start:
                     window.begin()
 
             def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == window.end:  # global_step counts the step just ended
+                if state.global_step != window.end:  # global_step counts the step just ended
+                    return
+                if window.phase == "evaluate":
+                    window.begin()  # the Trainer evaluates right after this callback
+                else:
+                    window.finish()
+
+            def on_evaluate(self, args, state, control, **kwargs):
+                if window.phase == "evaluate" and window.profiler is not None and window.wall_s is None:
                     window.finish()
 
         self.callback = Callback()
 
     def begin(self) -> None:
+        if self.phase != "steps":  # one long phase on the caller's thread: where its Python time goes, too
+            self.python_profile = cProfile.Profile()
+            self.python_profile.enable()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -77,8 +104,14 @@ class ProfileWindow:
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
         self.thread_names = {str(t.native_id): t.name for t in threading.enumerate()}
+        if self.python_profile is not None:
+            self.python_profile.disable()
         self.profiler.stop()
         self.profiler.export_chrome_trace(str(self.trace_path))
+        if self.python_profile is not None:
+            text = io.StringIO()
+            pstats.Stats(self.python_profile, stream=text).sort_stats("cumulative").print_stats(35)
+            self.python_top = text.getvalue()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", default="hf", help="comma-separated built-in systems (hf, sync, async)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:key=value,...",
                         help="a RoundPipeTrainer system, as in convergence.py (repeatable)")
+    parser.add_argument("--phase", choices=PHASES, default="steps",
+                        help="what is profiled: the steps of --window, the start-up up to the end of the window's "
+                             "last step, or the evaluation after it")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the process")
     parser.add_argument("--out", required=True, help="folder for <system>_trace.json.gz and step_profile.json")
     args = parser.parse_args(argv)
@@ -108,27 +144,37 @@ def main(argv: list[str] | None = None) -> None:
     eval_set = text_corpus.PackedBlocks(tokenizer, held_out_texts, p["seq"], max_blocks=8)
     model_config = convergence.qwen3_config(p)
     init, _ = convergence.initial_state(model_config, p["seed"])
-    regime = dict(convergence.regime_settings(p, "scratch"), steps=args.steps, eval_every=10 * args.steps)
+    eval_every = end if args.phase == "evaluate" else 10 * args.steps
+    if args.phase == "evaluate":  # the preset's held-out set, as the convergence runs evaluate it
+        eval_set = text_corpus.PackedBlocks(tokenizer, held_out_texts, p["seq"], max_blocks=p["eval_blocks"])
+    regime = dict(convergence.regime_settings(p, "scratch"), steps=args.steps, eval_every=eval_every)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summaries = {}
     for system in systems:
         with tempfile.TemporaryDirectory() as tmp:
-            window = ProfileWindow(start, end, Path(tmp) / "trace.json")
+            window = ProfileWindow(start, end, Path(tmp) / "trace.json", args.phase)
             record, _ = train(system, model_config, init, train_set, eval_set, regime, sizes,
                               callbacks=(window.callback,))
             trace = trace_summary.load(str(window.trace_path))
-            with open(window.trace_path, "rb") as src, gzip.open(out / f"{system.name}_trace.json.gz", "wb") as dst:
+            name = system.name if args.phase == "steps" else f"{system.name}_{args.phase}"
+            with open(window.trace_path, "rb") as src, gzip.open(out / f"{name}_trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        summary = trace_summary.summarize(trace, end - start, thread_names=window.thread_names)
-        summary["host_wall_ms_per_step"] = round(window.wall_s / (end - start) * 1e3, 3)
+        units = end - start if args.phase == "steps" else 1  # start-up and an evaluation: one unit each
+        summary = trace_summary.summarize(trace, units, thread_names=window.thread_names)
+        summary["phase"] = args.phase
+        summary["host_wall_ms_per_step"] = round(window.wall_s / units * 1e3, 3)
         summary["tokens_per_s_whole_run"] = record["tokens_per_s"]
         summary["final_eval_loss"] = record["final_eval_loss"]
         summaries[system.name] = summary
         print(trace_summary.format_summary(system.name, summary), flush=True)
+        if window.python_top:
+            (out / f"{system.name}_{args.phase}_python.txt").write_text(window.python_top)
+            print("\n".join(window.python_top.splitlines()[:60]), flush=True)
         print(f"   host wall {summary['host_wall_ms_per_step']} ms/step in the window; whole run "
               f"{record['tokens_per_s']:,.0f} tok/s (profiled), held-out {record['final_eval_loss']:.4f}", flush=True)
-    (out / "step_profile.json").write_text(json.dumps(summaries, indent=1))
+    written = out / f"{'step' if args.phase == 'steps' else args.phase}_profile.json"
+    written.write_text(json.dumps(summaries, indent=1))
 
 
 if __name__ == "__main__":

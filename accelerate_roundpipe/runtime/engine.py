@@ -22,7 +22,7 @@ from ..plan.schedule import Mode, Task
 from ..telemetry.metrics import EngineCounters
 from ..telemetry.summary import announce, engine_summary
 from ..telemetry.trace import maybe_span, save_when_freed
-from . import engine_checkpoint
+from . import engine_checkpoint, foreign_steps
 from .deferred import DeferredCommit, DeferredLoss
 from .engine_parts import build_engine_parts
 from .gloo_exchange import DataParallelGroup
@@ -80,6 +80,7 @@ class RoundPipe(HostResidentModule):
         self.counters = EngineCounters()
         # Lines the integrations add to the start summary (e.g. "clipping"), which the engine cannot know itself.
         self.summary_notes: dict[str, str] = {}
+        foreign_steps.watch(self)  # [Note: optimizers the engine does not step]
 
     # ------------------------------------------------------------------ parameters
 
@@ -105,18 +106,15 @@ class RoundPipe(HostResidentModule):
 
     @property
     def layer_costs(self) -> LayerCosts | None:
-        """Per-layer costs measured on the first training pass ([Note: measured plan]); None before, or with a
-        static plan."""
+        """Per-layer costs measured on the first training pass ([Note: measured plan]); None before or if static."""
         return self._plan.layer_costs
 
     @property
-    def host_store(self) -> HostStore:
-        """Every parameter, its optimizer copy and its gradient, in flat per-layer buffers on the host."""
+    def host_store(self) -> HostStore:  # every parameter, optimizer copy and gradient, in per-layer buffers
         return self._store
 
     @property
-    def optimizer_placement(self) -> OptimizerPlacement | None:
-        """Where each trainable bucket's optimizer state lives (None until an optimizer is wrapped)."""
+    def optimizer_placement(self) -> OptimizerPlacement | None:  # None until an optimizer is wrapped
         return self._placement
 
     @property
@@ -133,13 +131,11 @@ class RoundPipe(HostResidentModule):
         self._exchange.check_same("the optimizer", {
             "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
             "parameters per group": [len(g["params"]) for g in optimizer.param_groups]})
-        self.synchronize()  # nothing in flight: a wrapped optimizer closes, buckets may move home
-        if self.optimizer is not None:
-            self.optimizer.close()
+        self.synchronize()  # nothing in flight: the wrapped optimizer is replaced, buckets may move home
         if self._placement is None:  # once: [Note: optimizer placement]
             self._placement = self._plan.place_optimizer_state(optimizer, self._exchange.world_size > 1)
         wrapped = RoundPipeOptimizer(optimizer, self._store, self._failure, self.config.resolved_async_optimizer,
-                                     deferred_passes=self._deferred, trace=self.trace,
+                                     deferred_passes=self._deferred, trace=self.trace, replaces=self.optimizer,
                                      exact_steps_first=self.config.resolved_async_warmup_steps,
                                      layout_of=lambda user: self._exchange.optimizer_layout(user, self._store,
                                                                                             self.trace))
@@ -158,18 +154,14 @@ class RoundPipe(HostResidentModule):
         ([Note: micro-batch loss weights]): with `loss_reduction="mean"` each micro-batch's loss is weighted by its
         share of what a mean over the whole batch counts: for integer `labels`, the labels other than
         `ignore_index` (None: count rows); otherwise the rows. `"sum"` adds them. Without `loss_fn` the last layer
-        must return the micro-batch loss. Gradients accumulate into `p.grad` of `self.parameters()`
-        (complete after `synchronize()`, and always before the next `optimizer.step()` uses them), multiplied by
-        `grad_scale`.
-
+        must return the micro-batch loss. Gradients, times `grad_scale`, accumulate into `p.grad` of
+        `self.parameters()` (complete after `synchronize()` and before the next `optimizer.step()` uses them).
         With `deferred=True` the returned loss carries an autograd node: `backward()` reaching it with gradient c
         commits the pass's gradients scaled by c (`grad_scale` is ignored; `expect_grad_scale` sets the c the
         pipeline assumes, exact either way), and a pass never back-propagated is dropped at the next pass,
-        `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit].
-
-        Under data parallelism ([Note: data parallel]) each rank passes its share of the global batch; the weights
-        count the global batch, and the loss returned is the global batch's, the same on every rank.
-        """
+        `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit]. Under data parallelism ([Note:
+        data parallel]) each rank passes its share of the global batch; the weights count the global batch, and the
+        loss returned is the global batch's, the same on every rank."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         counted_labels = ignore_index if loss_fn is not None else None
@@ -237,15 +229,8 @@ class RoundPipe(HostResidentModule):
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """Forward pipeline. With grad enabled the output is attached to the backward pipeline."""
-        self._before_pass()
-        inputs = tensor_tuple(inputs, "forward inputs")
-        rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         keep_for_backward = torch.is_grad_enabled() and bool(self._store.trainable_buckets)
-        adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
-        plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
-                                                  keep_for_backward, adapter_setting)
-        self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
-        pieces = [output.host() for output in results.take_outputs(self._failure)]
+        plan, results, pieces = self._forward_pieces(inputs, keep_for_backward)
         # Every task saved its inputs before its round's last output was set: the backward reads them, if it comes.
         saved_inputs = results.hand_over_saved_inputs()
         outputs = concatenated_outputs(pieces)
@@ -254,13 +239,31 @@ class RoundPipe(HostResidentModule):
                                                    torch.empty(0, requires_grad=True), *outputs))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    @torch.no_grad()
+    def forward_loss(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Forward pipeline without gradients whose last layer returns each micro-batch's share of a loss (0-dim):
+        their sum. An evaluation's loss, its logits never leaving the devices ([Note: evaluation loss])."""
+        losses = [piece[0] for piece in self._forward_pieces(inputs, keep_for_backward=False)[2]]
+        if any(loss.dim() for loss in losses):
+            raise TypeError("forward_loss needs a last layer that returns a 0-dim loss per micro-batch.")
+        return torch.stack(losses).sum()
+
+    def _forward_pieces(self, inputs: tuple, keep_for_backward: bool) -> tuple[Any, Any, list[tuple]]:
+        self._before_pass()
+        inputs = tensor_tuple(inputs, "forward inputs")
+        rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
+        adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
+        plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
+                                                  keep_for_backward, adapter_setting)
+        self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
+        return plan, results, [output.host() for output in results.take_outputs(self._failure)]
+
     # ------------------------------------------------------------------ control
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget (or zero) the accumulated gradients of `parameters()`. nn.Module's own would set `.grad` on the
-        optimizer copies behind the buckets' back, and the next commit, adding to a buffer it still holds, would
-        leave `.grad` None: an optimizer then skips every parameter. Through the wrapped optimizer's ordered
-        `zero_grad` when there is one, else once the passes in flight are done."""
+        """Forget (or zero) the accumulated gradients of `parameters()`, through the wrapped optimizer's ordered
+        `zero_grad` or once the passes in flight are done. (nn.Module's own would set `.grad` behind the buckets'
+        back: the next commit would leave it None, and an optimizer skip every parameter.)"""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none)
             return
@@ -312,8 +315,7 @@ class RoundPipe(HostResidentModule):
                     self._write_trace()
 
     @property
-    def closed(self) -> bool:
-        """`close()` ran (or the engine was abandoned): it cannot be used any more."""
+    def closed(self) -> bool:  # `close()` ran (or the engine was abandoned): it cannot be used any more
         return self._failure.closed
 
     def save_trace(self, path: str | None = None) -> str:
@@ -362,8 +364,7 @@ class RoundPipe(HostResidentModule):
         engine_checkpoint.load_lagged_weights(tensors, self._store, self.optimizer)
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
-        """The tasks one pass of `num_microbatches` would run next (for printing and inspection)."""
-        return self._launch.schedule(num_microbatches, Mode(mode))
+        return self._launch.schedule(num_microbatches, Mode(mode))  # the tasks of a pass, for printing
 
     def num_microbatches_for(self, rows: int) -> int:
         """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
@@ -373,8 +374,7 @@ class RoundPipe(HostResidentModule):
     # ------------------------------------------------------------------ internals
 
     @property
-    def partition(self) -> Partition:
-        """The layers' forward and backward stages the next pass runs ([Note: measured plan])."""
+    def partition(self) -> Partition:  # the forward and backward stages the next pass runs ([Note: measured plan])
         return self._launch.partition
 
     def _before_pass(self) -> None:
@@ -384,8 +384,7 @@ class RoundPipe(HostResidentModule):
 
     # ------------------------------------------------------------------ nn.Module behaviour
 
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (compute copies), after `synchronize()`."""
+    def state_dict(self, *args, **kwargs):  # the wrapped module's (compute copies), after `synchronize()`
         self.synchronize()
         return self.module.state_dict(*args, **kwargs)
 

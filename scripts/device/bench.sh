@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -20,6 +20,7 @@ LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
+WORKLOADS+=" eval-startup"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -177,6 +178,18 @@ run_ours() {
       --eval-every 1000 --variant after-hf:optimizer_placement=auto --out "$OUT"
     step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
       --eval-every 1000 --variant alone:optimizer_placement=auto --out "$OUT" ;;
+  eval-startup)  # issue 31 item 10: what a user waits for on the 168M preset (300 steps, an evaluation every 50):
+    # the whole train() and each evaluate(), the plain Trainer and RoundPipeTrainer at its defaults, each in its own
+    # process after a warm-up of both; then where an evaluation and the start-up go (torch.profiler + cProfile)
+    step 70 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 20 \
+      --eval-every 1000 --variant warm-up:optimizer_placement=auto --out "$OUT/warmup"
+    step 90 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --out "$OUT"
+    step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
+      --variant defaults: --out "$OUT"
+    step 80 python3 benchmarks/step_profile.py --preset gpu --steps 30 --window 0:20 --phase evaluate --systems hf \
+      --variant defaults: --out "$OUT/profile"
+    step 80 python3 benchmarks/step_profile.py --preset gpu --steps 20 --window 0:3 --phase start-up --systems hf \
+      --variant defaults: --out "$OUT/profile" ;;
   placement-small-alone)  # issue 26's small-model target, each system in a process of its own (a user trains one
     # model a process; a RoundPipe run after the plain Trainer in one process was 12% slower a step, unexplained),
     # after a warm-up of both (Liger's Triton kernels compiled into the cache, as on a user's second run)
