@@ -42,7 +42,7 @@ from ..compat.accelerate_internals import (
     prepared_optimizers,
     turn_off_autocast,
 )
-from ..runtime import RoundPipe
+from ..runtime import RoundPipe, foreign_steps
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .checkpoint_files import read_optimizer_shard
 from .convert import convert_model, engine_of
@@ -62,7 +62,7 @@ from .multi_process import (
     rank_suffix,
     written_by_another_world_size,
 )
-from .optimizer import PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
+from .optimizer import PREPARE_THE_OPTIMIZER, PREPARE_TOGETHER, RoundPipeAcceleratedOptimizer, repoint_optimizer
 from .plugin import RoundPipePlugin
 from .staged_checkpoint import together
 from .traces import write_traces
@@ -173,6 +173,8 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         # [Note: deferred gradient commit]: `backward` divides the loss by the accumulation steps; tell the engine.
         engine.expect_grad_scale(1.0 / self.gradient_accumulation_steps)
         engine.summary_notes.update(self.roundpipe_summary_notes)
+        # A step of an optimizer over this model that was not prepared is refused, naming `prepare`.
+        foreign_steps.watch(engine, PREPARE_THE_OPTIMIZER)  # [Note: optimizers the engine does not step]
         try:
             check_engine_data_parallel(engine, self.num_processes)
         except ValueError:

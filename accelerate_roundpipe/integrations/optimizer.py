@@ -41,6 +41,14 @@ def optimizer_copy_map(engine: RoundPipe) -> dict[int, nn.Parameter]:
 PREPARE_TOGETHER = ("Build the optimizer over `model.parameters()` and prepare both together: "
                     "`model, optimizer = accelerator.prepare(model, optimizer)`.")
 
+# How an optimizer over a prepared model that was never prepared itself is told to be handed over
+# ([Note: optimizers the engine does not step]); plain accelerate allows either call.
+PREPARE_THE_OPTIMIZER = (
+    "Pass it to `accelerator.prepare` with the model (`model, optimizer = accelerator.prepare(model, optimizer)`) "
+    "or after it (`optimizer = accelerator.prepare(optimizer)`), and step the optimizer that returns; with the "
+    "Trainer, as `optimizers=(optimizer, scheduler)`. RoundPipe steps one optimizer per model: put parameters that "
+    "need other settings in param groups of it.")
+
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe],
                       how_to_fix: str = PREPARE_TOGETHER) -> RoundPipeOptimizer:
@@ -54,6 +62,10 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, engines: list[RoundPipe]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     maps = {id(e): optimizer_copy_map(e) for e in engines}
     owners = [e for e in engines if any(id(p) in maps[id(e)] for p in params)]
+    if not owners and not engines:
+        raise ValueError("the optimizer was prepared before any model: RoundPipe re-points it to the optimizer copies "
+                         "of the model it steps, which must exist by then. Prepare the model first or in the same "
+                         "call: `model, optimizer = accelerator.prepare(model, optimizer)`.")
     if not owners:
         raise ValueError(f"the optimizer holds no parameter of a RoundPipe model prepared by this accelerator. "
                          f"{how_to_fix}")

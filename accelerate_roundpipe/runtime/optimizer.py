@@ -23,7 +23,7 @@ import torch
 
 from ..compat.torch_internals import mark_stepped_for_scheduler
 from ..telemetry.trace import maybe_span
-from . import faults
+from . import faults, foreign_steps
 from .clip import GradientClip
 from .deferred import DeferredPasses
 from .host_store import Bucket, HostStore
@@ -49,7 +49,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
                  async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None,
-                 exact_steps_first: int = 0, layout_of: Callable | None = None) -> None:
+                 exact_steps_first: int = 0, layout_of: Callable | None = None,
+                 replaces: RoundPipeOptimizer | None = None) -> None:
         # Not calling Optimizer.__init__: the groups stay the user's optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -78,6 +79,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self._exact, self._lagged = ExactStep(), LaggedStep()
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
         self.step_order = store.trainable_in_backward_order
+        # [Note: optimizers the engine does not step]: the groups the steppers step; whether a later one replaced it
+        self.stepped_groups, self.replaced = foreign_steps.groups_of(self.param_groups, inner.param_groups), False
+        if replaces is not None:  # the engine's previous optimizer (`wrap_optimizer`), once this one is built
+            replaces.close(replaced=True)
 
     @property
     def state(self) -> dict:
@@ -104,6 +109,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             raise ValueError("RoundPipe's optimizer takes no closure: the step runs in the background after the "
                              "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
+        foreign_steps.check_in_charge(self, groups=True)
         # [Note: scheduler step count]; first, so that a library check failing in it leaves nothing half-stepped
         mark_stepped_for_scheduler(self.inner)
         self._drop_pending_passes()
@@ -134,6 +140,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         `torch.nn.utils.clip_grad_norm_` would now; returns that norm as a tensor filled in when first read.
         Nothing waits for the backward here ([Note: clipping without a drain])."""
         self.failure.check()
+        foreign_steps.check_in_charge(self)
         self._drop_pending_passes()
         if self._clip is not None:
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
@@ -188,7 +195,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         steppers = self.layout.steppers
         home = buckets[0].home
         track = "optimizer" if home is None else f"optimizer {home}"
-        with maybe_span(self.trace, track, "step layers " + ", ".join(str(list(b.layers)) for b in buckets)):
+        with maybe_span(self.trace, track, "step layers " + ", ".join(str(list(b.layers)) for b in buckets)), \
+                foreign_steps.engine_steps():  # our steppers' ([Note: optimizers the engine does not step])
             if len(buckets) > 1 and len(set(scales)) == 1 and steppers.steps_together:
                 steppers.step_together(buckets, hyper, scales[0])
             else:
@@ -279,6 +287,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.failure.check()
+        foreign_steps.check_in_charge(self)
         self._drop_pending_passes()
         self._clip = None  # a clip measured gradients that are gone now
         with self.failure.reserving("zero_grad()"):  # [Note: interrupted reservations]
@@ -353,7 +362,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             if bucket.home is not None:
                 bucket.versions.show_current()  # a no-op for a bucket whose compute copy shows its last step
 
-    def close(self) -> None:
+    def close(self, replaced: bool = False) -> None:
+        self.replaced = self.replaced or replaced  # by a later optimizer: calls are refused from now on
         self.thread.stop()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer API
@@ -378,7 +388,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.load_state_dict(full_state_of_shards(shards, self.store, self.inner))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError("add parameter groups to the optimizer before engine.wrap_optimizer(...).")
+        raise NotImplementedError("add every parameter group to the optimizer before handing it to RoundPipe "
+                                  "(`accelerator.prepare(model, optimizer)` / `engine.wrap_optimizer(optimizer)`).")
 
     def __repr__(self) -> str:
         return f"RoundPipeOptimizer(async={self.async_step}, {self.layout!r}, {self.inner!r})"
