@@ -1,7 +1,7 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
-the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout, the engine's autograd
-nodes), `runtime/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the vectorised norms),
-`runtime/host_resident.py` (what `.to()` asks for)."""
+the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout and store, the engine's
+autograd nodes), `runtime/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the vectorised
+norms), `runtime/host_resident.py` (what `.to()` asks for)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,23 @@ def set_default_group_timeout(timeout: datetime.timedelta) -> None:
     set_timeout = require_attribute(c10d, "_set_pg_timeout", LIBRARY, reach)
     require_parameters(set_timeout, ("timeout", "group"), LIBRARY, reach)
     set_timeout(timeout)
+
+
+def default_group_store():
+    """The key-value store the default process group was made with (a `torch.distributed.Store`: TCPStore under
+    torchrun and accelerate, FileStore, ...): `torch.distributed.distributed_c10d._get_default_store()`, private
+    (torch 2.11 and 2.13), the only way to the group's own store. The ranks' agreements write what each rank is
+    doing there ([Note: tagged agreements] in `integrations/multi_process.py`)."""
+    import torch.distributed as dist
+
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    reach = "torch.distributed.distributed_c10d._get_default_store"
+    get_store = require_attribute(c10d, "_get_default_store", LIBRARY, reach)
+    store = get_store()
+    if not isinstance(store, dist.Store):
+        raise LibraryChangedError(LIBRARY, reach, f"it returned a {type(store).__name__}, not a "
+                                                  f"torch.distributed.Store")
+    return store
 
 
 def mark_stepped_for_scheduler(optimizer: torch.optim.Optimizer) -> None:

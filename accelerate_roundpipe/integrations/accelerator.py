@@ -52,6 +52,7 @@ from .multi_process import (
     backward_scale,
     check_distributed_type,
     check_engine_data_parallel,
+    check_every_rank_saves,
     check_one_process_per_machine,
     collective_device,
     follow_wait_timeout,
@@ -263,8 +264,12 @@ class RoundPipeAccelerator(accelerate.Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
         """accelerate's `save_state` with the lagged steps flushed first (and the fp32 optimizer copies saved when
-        the compute copies are narrower)."""
+        the compute copies are narrower). With several processes each rank writes its optimizer shard, so every
+        rank must call it: that is checked before anything is written ([Note: tagged agreements])."""
         self.synchronize_roundpipe()
+        # Nothing held per rank (no optimizer): each rank writes its own files and waits for no other, as accelerate.
+        agreement = self._agreement() if prepared_optimizers(self) else None
+        check_every_rank_saves(agreement, output_dir)
         with self._optimizer_shards_aside() as shards:
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
                                           **save_model_func_kwargs)
@@ -278,7 +283,7 @@ class RoundPipeAccelerator(accelerate.Accelerator):
                 if engine is not None:
                     save_engine_extras(engine, location, suffix=self._extras_suffix(index))
 
-        together(self._agreement(), write_this_ranks_files, f"while saving the state to {location}")
+        together(agreement, write_this_ranks_files, f"while saving the state to {location}")
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 from ..runtime import RoundPipe
+from ..runtime.engine_checkpoint import engine_state_problems
 
 OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
 # The weights the next pass computes with under the lagged step, one step older than the saved model
@@ -33,7 +35,12 @@ LAGGED_WEIGHTS_FILE = "roundpipe_lagged_weights{suffix}.safetensors"
 ENGINE_STATE_FILE = "roundpipe_engine_state{suffix}.json"
 # The key of the engine state listing the other files written with it.
 FILES_KEY = "files"
-_COUNTERS = ("seed", "num_passes", "next_device")  # always in `engine.engine_state()`; "optimizer_steps" may be
+# One process per machine: no run has more (a per-rank file naming more is damaged, and is refused before anything
+# is sized by it).
+MAX_WORLD_SIZE = 2**20
+_SHARD_NAME = re.compile(r"\.rank([0-9]+)-of-([0-9]+)\.[^.]+$")
+# Far above what `write_engine_state` writes (a few hundred bytes): a file larger is refused before it is parsed.
+MAX_ENGINE_STATE_BYTES = 64 * 1024
 
 
 class CheckpointError(ValueError):
@@ -82,7 +89,7 @@ def read_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> E
             raise CheckpointError(state_path, f"is missing, though {names} beside it is there: the checkpoint was "
                                               f"not completely written")
         return EngineExtras()  # not written by RoundPipe
-    state = _read_engine_state(state_path)
+    state = _read_engine_state(state_path, len(engine.devices))
     listed = state.pop(FILES_KEY, None)
     if listed is not None:  # checkpoints written before the list load whatever is there
         for path in (copies_path, lagged_path):
@@ -102,9 +109,10 @@ def read_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> E
 
 
 def read_optimizer_shard(path: str) -> dict:
-    """One rank's optimizer state (`optimizer.rank<r>-of-<n>.pt` / `.bin`, [Note: one process per machine]), read
-    whole; one truncated or not a saved state raises `CheckpointError` (a missing one: the caller's
-    `missing_shard_error`, which says which world size wrote the checkpoint)."""
+    """One rank's optimizer state (`optimizer.rank<r>-of-<n>.pt` / `.bin`, [Note: one process per machine]; or the
+    one-process `optimizer.pt` / `.bin` joined into several), read whole and its structure checked: one truncated,
+    not a saved state, or a shard of another rank than its name says raises `CheckpointError` (a missing one: the
+    caller's `missing_shard_error`, which says which world size wrote the checkpoint)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -113,31 +121,96 @@ def read_optimizer_shard(path: str) -> dict:
         raise CheckpointError(path, f"cannot be read (truncated or not a saved optimizer state: {error})") from error
     if not isinstance(state, dict):
         raise CheckpointError(path, f"holds a {type(state).__name__}, not an optimizer's state_dict")
+    meta = state.get("data_parallel")
+    if meta is None:
+        _check_optimizer_state_dict(path, state, "")
+        return state
+    _check_shard_meta(path, meta)
+    _check_optimizer_state_dict(path, state.get("shard"), "`shard` ")
     return state
 
 
-def _read_engine_state(path: str) -> dict:
+def shard_name_ranks(name: str) -> tuple[int, int] | None:
+    """(rank, world size) a per-rank file name says (`optimizer.rank1-of-2.bin` -> (1, 2)), None for another name.
+    The numbers as written, unchecked: `check_shard_name` checks them."""
+    match = _SHARD_NAME.search(name)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def check_shard_name(path: str, rank: int, world_size: int) -> None:
+    """A per-rank file's rank and world size (from its name) are those of a run RoundPipe could have written:
+    checked before anything is sized by them ([Note: checkpoint files])."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise CheckpointError(path, f"names a run of {world_size} processes, but a run has 1 to {MAX_WORLD_SIZE} "
+                                    f"(one per machine): the name is damaged or not RoundPipe's")
+    if rank >= world_size:
+        raise CheckpointError(path, f"names rank {rank} of a run of {world_size} processes, whose ranks are 0 to "
+                                    f"{world_size - 1}: the name is damaged or not RoundPipe's")
+
+
+def _check_shard_meta(path: str, meta) -> None:
+    """A shard's `data_parallel` entry: its world size, rank and layout ([Note: shards of another world size])."""
+    if not isinstance(meta, dict) or not all(_is_int(meta.get(key)) for key in ("world_size", "rank")):
+        raise CheckpointError(path, "has a `data_parallel` entry without a whole-number world_size and rank: it is "
+                                    "not a shard RoundPipe saved")
+    check_shard_name(path, meta["rank"], meta["world_size"])
+    if meta["rank"] < 0:
+        raise CheckpointError(path, f"holds the shard of rank {meta['rank']}: it is not a shard RoundPipe saved")
+    named = shard_name_ranks(os.path.basename(path))
+    if named is not None and named != (meta["rank"], meta["world_size"]):
+        raise CheckpointError(path, f"holds the shard of rank {meta['rank']} of {meta['world_size']} processes, but "
+                                    f"its name says rank {named[0]} of {named[1]}: it was renamed or copied from "
+                                    f"another checkpoint")
+    layout = meta.get("layout")
+    if not isinstance(layout, list) or not all(
+            isinstance(entry, (list, tuple)) and len(entry) == 4 and _is_int(entry[0]) and isinstance(entry[1], str)
+            and _is_int(entry[2]) and _is_int(entry[3]) and 0 <= entry[0] and 0 <= entry[2] <= entry[3]
+            for entry in layout):
+        raise CheckpointError(path, "has a shard layout that is not a list of [bucket, parameter name, start, end] "
+                                    "(whole numbers, 0 <= start <= end): it is not a shard RoundPipe saved")
+
+
+def _check_optimizer_state_dict(path: str, state, what: str) -> None:
+    """The shape of torch's `Optimizer.state_dict()`: a `state` dict of dicts and `param_groups`, a list of dicts
+    each with its `params` list."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    per_param = state.get("state") if isinstance(state, dict) else None
+    if not (isinstance(per_param, dict) and all(isinstance(v, dict) for v in per_param.values())
+            and isinstance(groups, list) and groups
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise CheckpointError(path, f"holds {what}no optimizer state_dict (a `state` dict and `param_groups`, a list "
+                                    f"of dicts each with its `params`): it is not a saved optimizer state")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_engine_state(path: str, num_devices: int) -> dict:
+    """The engine state in `path`, every field in its range for an engine of `num_devices` devices
+    ([Note: engine state ranges]); the file's size and nesting are bounded before it is parsed."""
     try:
+        size = os.path.getsize(path)
+        if size > MAX_ENGINE_STATE_BYTES:
+            raise CheckpointError(path, f"is {size} bytes, but RoundPipe's engine state is a few hundred (at most "
+                                        f"{MAX_ENGINE_STATE_BYTES}): it is not RoundPipe's engine state")
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if isinstance(error, CheckpointError):
+            raise
         raise CheckpointError(path, f"cannot be read (truncated or not RoundPipe's JSON: {error})") from error
+    except RecursionError as error:  # nested deeper than the parser's stack: RoundPipe's state is one level deep
+        raise CheckpointError(path, "is nested too deeply to be read: it is not RoundPipe's engine state") from error
     if not isinstance(state, dict):
         raise CheckpointError(path, f"holds a JSON {type(state).__name__}, not RoundPipe's engine state")
-    wrong = [key for key in _COUNTERS if not _is_count(state.get(key))]
-    if "optimizer_steps" in state and not _is_count(state["optimizer_steps"]):
-        wrong.append("optimizer_steps")
-    if wrong:
-        raise CheckpointError(path, f"has no valid {', '.join(wrong)} (each a whole number >= 0): it is not "
-                                    f"RoundPipe's engine state, or was edited")
+    problems = engine_state_problems({k: v for k, v in state.items() if k != FILES_KEY}, num_devices)
+    if problems:
+        raise CheckpointError(path, f"has {'; '.join(problems)}: it is not RoundPipe's engine state, or was edited")
     listed = state.get(FILES_KEY)
     if listed is not None and not (isinstance(listed, list) and all(isinstance(n, str) for n in listed)):
         raise CheckpointError(path, f"has a `{FILES_KEY}` entry that is not a list of file names")
     return state
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -159,7 +232,7 @@ def _check_optimizer_copies(engine: RoundPipe, tensors: dict[str, torch.Tensor],
         raise CheckpointError(path, f"{what}: it was written for another model")
     for name, p in expected.items():
         tensor = tensors[name]
-        if tensor.shape != p.shape or not tensor.is_floating_point():
+        if tensor.shape != p.shape or tensor.dtype != p.dtype:  # another dtype would be rounded into the copy
             raise CheckpointError(path, f"holds {name} as {tuple(tensor.shape)} {tensor.dtype}, but this model's "
                                         f"is {tuple(p.shape)} {p.dtype}: it was written for another model")
 
@@ -167,12 +240,14 @@ def _check_optimizer_copies(engine: RoundPipe, tensors: dict[str, torch.Tensor],
 def _check_lagged_weights(engine: RoundPipe, tensors: dict[str, torch.Tensor], path: str) -> None:
     buckets = engine.host_store.buckets
     for key, tensor in tensors.items():
-        index = int(key) if key.isdigit() else -1
+        # A bucket index as `lagged_weights` writes it (a long digit string would not even convert).
+        index = int(key) if key.isascii() and key.isdigit() and len(key) <= len(str(len(buckets))) else -1
         if not 0 <= index < len(buckets):
-            raise CheckpointError(path, f"holds weights for bucket {key!r}, but this model's host store has buckets "
+            shown = key if len(key) <= 20 else f"{key[:17]}..."
+            raise CheckpointError(path, f"holds weights for bucket {shown!r}, but this model's host store has buckets "
                                         f"0-{len(buckets) - 1}: it was written for another model or settings")
         compute = buckets[index].compute
-        if tensor.shape != compute.shape or not tensor.is_floating_point():
+        if tensor.shape != compute.shape or tensor.dtype != compute.dtype:
             raise CheckpointError(path, f"holds bucket {index} as {tuple(tensor.shape)} {tensor.dtype}, but this "
                                         f"model's is {tuple(compute.shape)} {compute.dtype}: it was written for "
                                         f"another model or settings")

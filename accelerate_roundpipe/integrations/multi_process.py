@@ -44,6 +44,8 @@ its peer, instead of gloo's bare "Timed out waiting" or "Connection closed by pe
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import re
 import socket
@@ -54,7 +56,9 @@ import torch
 
 from ..compat.accelerate_internals import state_backend
 from ..compat.hf_trainer import compute_loss_process_factor
-from ..compat.torch_internals import backward_node_class, set_default_group_timeout
+from ..compat.torch_internals import backward_node_class, default_group_store, set_default_group_timeout
+from ..runtime.gloo_exchange import DataParallelError
+from .checkpoint_files import CheckpointError, check_shard_name
 
 MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
 
@@ -255,9 +259,15 @@ def written_by_another_world_size(directory: str, filename: str, rank: int,
     stem, ext = os.path.splitext(filename)
     pattern = re.compile(re.escape(stem) + r"\.rank(\d+)-of-(\d+)" + re.escape(ext) + "$")
     ranks_of: dict[int, set[int]] = {}
-    for name in os.listdir(directory):
+    for name in sorted(os.listdir(directory)):
         if (match := pattern.match(name)) is not None:
-            ranks_of.setdefault(int(match[2]), set()).add(int(match[1]))
+            rank, of = int(match[1]), int(match[2])
+            path = os.path.join(directory, name)
+            check_shard_name(path, rank, of)  # before anything is sized by its numbers
+            if name != per_rank_name(filename, rank, of):
+                raise CheckpointError(path, f"is not a name RoundPipe writes (it would be "
+                                            f"{per_rank_name(filename, rank, of)}): rename it or remove it")
+            ranks_of.setdefault(of, set()).add(rank)
     if os.path.isfile(os.path.join(directory, filename)):
         ranks_of.setdefault(1, {0})
     if not ranks_of:
@@ -266,34 +276,115 @@ def written_by_another_world_size(directory: str, filename: str, rank: int,
         raise FileNotFoundError(f"{directory} holds {filename} files of runs with {sorted(ranks_of)} processes and "
                                 f"none of this one ({world_size}); keep the files of one run only.")
     written, ranks = next(iter(ranks_of.items()))
-    missing = sorted(set(range(written)) - ranks)
-    if missing:
+    if len(ranks) < written:  # some rank's shard is missing: name the first few, counting no further
+        missing = [r for r in itertools.islice((r for r in range(written) if r not in ranks), 3)]
+        more = f" and {written - len(ranks) - len(missing)} more" if written - len(ranks) > len(missing) else ""
         raise FileNotFoundError(f"{directory} holds the {filename} shards of a run with {written} processes, but not "
-                                f"those of rank(s) {missing}: resuming with another number of processes needs every "
-                                f"rank's shard ({per_rank_name(filename, missing[0], written)}, ...).")
+                                f"those of rank(s) {missing}{more}: resuming with another number of processes needs "
+                                f"every rank's shard ({per_rank_name(filename, missing[0], written)}, ...).")
     return [os.path.join(directory, per_rank_name(filename, r, written)) for r in range(written)], written
 
 
+# [Note: tagged agreements]
+# The ranks agree before and after each multi-process save (`staged_checkpoint.together`, the accelerator's
+# `save_state`). An agreement that were a bare collective (a MIN all-reduce of a flag) could not tell a peer that is
+# late from a peer that is somewhere else: under `if accelerator.is_main_process: accelerator.save_state(d)` rank 0
+# sat in the all-reduce while rank 1 sat in `wait_for_everyone()`'s barrier, two collectives gloo never matches,
+# until both timed out (`wait_timeout_s`, 600 s) and rank 0 blamed a "failed" peer, its half-written checkpoint
+# left behind. So each rank first writes what it is doing (its `when`, and whether it succeeded) into the default
+# group's store under the agreement's number, then joins a barrier, then reads every rank's entry. The barrier
+# completes against any barrier of the peer's, its own or the user's, at once; an entry is written before its rank
+# enters the barrier, so after it a missing or different entry is final: that rank is elsewhere, and every rank
+# that sees it raises `RanksApartError` at once, naming where each rank was. (The peer that was in a barrier of its
+# own is let through it and goes on; this rank's error says so.) Every rank joins the same agreements in the same
+# order, so a per-process count numbers them alike on every rank; each rank deletes its entry of the agreement
+# before once the next one's barrier shows everyone read it. A rank that died or stalled makes the barrier fail
+# within `wait_timeout_s` instead ([Note: collective timeouts]).
+_AGREEMENT_KEY = "roundpipe/agreement/{number}/{rank}"
+_agreements_joined = itertools.count()
+
+
+class RanksApartError(DataParallelError):
+    """An agreement's ranks were not at the same point ([Note: tagged agreements]): `apart` maps each such rank to
+    where it was (None: at no agreement of RoundPipe's, e.g. a barrier of the user's)."""
+
+    def __init__(self, message: str, apart: dict[int, str | None]) -> None:
+        super().__init__(message)
+        self.apart = apart
+
+
 class RankAgreement:
-    """All ranks agreeing that each succeeded: a MIN all-reduce of a flag, on the device the group's backend
-    needs. Used around checkpoint writes so a rank that failed makes every rank fail instead of leaving them
-    waiting at a barrier; a rank that died or stalled makes it raise, naming `when` ([Note: collective timeouts])."""
+    """All ranks agreeing that each succeeded, and that each is at the same point ([Note: tagged agreements]). Used
+    around checkpoint writes so a rank that failed makes every rank fail instead of leaving them waiting at a
+    barrier; a rank somewhere else makes every rank raise at once; a rank that died or stalled makes it raise,
+    naming `when` ([Note: collective timeouts])."""
 
-    def __init__(self, group=None, timeout_s: float | None = None) -> None:
-        import torch.distributed as dist
-
-        self.group = group
+    def __init__(self, timeout_s: float | None = None) -> None:
         self.timeout_s = timeout_s  # the group's, for the error's advice (`follow_wait_timeout` set it)
-        backend = dist.get_backend(group)
-        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
-    def all_ok(self, ok: bool, when: str = "") -> bool:
+    def all_ok(self, ok: bool, when: str = "", advice: str = "") -> bool:
+        """True when every rank said ok at the same `when`; `RanksApartError` (with `advice`, what to change) when
+        a rank is elsewhere."""
+        entries = self._exchange(ok, when)
+        apart = {rank: (None if entry is None else entry[1]) for rank, entry in enumerate(entries)
+                 if entry is None or entry[1] != when}
+        if apart:
+            raise ranks_apart_error(when, apart, advice)
+        return all(entry[0] for entry in entries)
+
+    def _exchange(self, ok: bool, when: str) -> list[tuple[bool, str] | None]:
+        """Every rank's (ok, when) of this agreement, None for a rank that wrote none."""
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        number = next(_agreements_joined)
         with named_collective(f"the ranks' agreement {when}".rstrip(), self.timeout_s):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+            store = default_group_store()
+            store.set(_AGREEMENT_KEY.format(number=number, rank=rank), json.dumps([bool(ok), when]))
+            dist.barrier()
+            keys = [_AGREEMENT_KEY.format(number=number, rank=r) for r in range(world_size)]
+            entries = [_read_entry(store, key) for key in keys]
+            if number:  # every rank entered this one's barrier, so it read the previous entries
+                store.delete_key(_AGREEMENT_KEY.format(number=number - 1, rank=rank))
+        return entries
+
+
+def _read_entry(store, key: str) -> tuple[bool, str] | None:
+    if not store.check([key]):  # `get` of a missing key would wait for it until the store's timeout
+        return None
+    ok, when = json.loads(store.get(key))
+    return bool(ok), str(when)
+
+
+_NOT_IN_ONE = ("in no agreement of RoundPipe's (it was in a barrier or another collective of the default process "
+               "group, e.g. accelerator.wait_for_everyone(), and this agreement let it through)")
+
+
+def ranks_apart_error(when: str, apart: dict[int, str | None], advice: str = "") -> RanksApartError:
+    """The error for ranks found at different points by an agreement ([Note: tagged agreements])."""
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    where = "; ".join(f"rank {r} is {_NOT_IN_ONE if theirs is None else 'at another: ' + theirs}"
+                      for r, theirs in sorted(apart.items()))
+    return RanksApartError(
+        f"the ranks' agreement {when} on rank {rank} of {world_size} found the ranks apart: {where}. "
+        f"{advice or 'Every process must make the same RoundPipe calls in the same order.'}", apart)
+
+
+SAVE_ON_EVERY_RANK = (
+    "Under RoundPipe's data parallelism each rank's optimizer state is its own shard (optimizer.rank<r>-of-<N>.bin), "
+    "which only that rank holds and writes: call accelerator.save_state(...) on every process, with the same "
+    "directory, not under `if accelerator.is_main_process:` (accelerate still writes the model and the files the "
+    "ranks share from the main process only). Nothing was written.")
+
+
+def check_every_rank_saves(agreement: RankAgreement | None, output_dir: str | None) -> None:
+    """Before `save_state` writes anything: every rank is in it, with the same directory; else every rank that
+    sees it raises at once, nothing written ([Note: tagged agreements]). No agreement (one process, or nothing held
+    per rank): nothing to check."""
+    if agreement is not None:
+        agreement.all_ok(True, f"at the start of accelerator.save_state({output_dir!r})", advice=SAVE_ON_EVERY_RANK)
 
 
 # ---------------------------------------------------------------------- collective timeouts
@@ -322,8 +413,6 @@ def collective_error(what: str, started: float, error: BaseException, timeout_s:
     long, and what to look at (the runtime's `DataParallelGroup` words its own collectives' errors alike)."""
     import torch.distributed as dist
 
-    from ..runtime.gloo_exchange import DataParallelError
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     limit = f"{timeout_s:g} s, " if timeout_s is not None else ""
     return DataParallelError(
@@ -337,8 +426,6 @@ def collective_error(what: str, started: float, error: BaseException, timeout_s:
 def named_collective(what: str, timeout_s: float | None) -> Iterator[None]:
     """Around a collective on the default process group: its failure (gloo's timeout, a peer's closed connection)
     raises `collective_error`, naming `what`."""
-    from ..runtime.gloo_exchange import DataParallelError
-
     started = time.monotonic()
     try:
         yield

@@ -14,12 +14,13 @@ killed mid-save leaves only a `tmp-checkpoint-N/`, which the next save of that s
 With several ranks ([Note: one process per machine]) every rank writes into the same staging directory (its
 optimizer shard, its RNG state), so one rank, the writer, prepares and renames it, and the ranks agree three times:
 the directory is clean before anyone writes, everyone wrote before the rename (a rank that raised says so, and then
-every rank raises and the writer discards the directory), and the rename is done before anyone goes on. Agreeing
-is an all-reduce that a failing rank joins too, so a failure never leaves the others waiting at a barrier. A rank
-that dies or stalls instead makes the agreement itself fail on the others, within `wait_timeout_s`
-([Note: collective timeouts]), with an error naming the checkpoint and the peer; the writer discards the directory
-then too (only a killed writer leaves its `tmp-checkpoint-N/`). The ranks must see one filesystem (or save on each
-node: then each node's first process is that node's writer).
+every rank raises and the writer discards the directory), and the rename is done before anyone goes on. A failing
+rank joins the agreement too (saying it failed), so a failure never leaves the others waiting at a barrier; a rank
+at another point (another agreement, a barrier of its own) makes every rank raise at once ([Note: tagged
+agreements] in `multi_process.py`). A rank that dies or stalls instead makes the agreement itself fail on the
+others, within `wait_timeout_s` ([Note: collective timeouts]), with an error naming the checkpoint and the peer;
+the writer discards the directory then too (only a killed writer leaves its `tmp-checkpoint-N/`). The ranks must
+see one filesystem (or save on each node: then each node's first process is that node's writer).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ def staging_run_dir(final: str) -> str:
 
 
 class Agreement(Protocol):
-    """What the ranks of a multi-process save agree through (`data_parallel.RankAgreement`): True when every rank
-    said ok; an error naming `when` and the peer when the agreement itself fails (a rank died or stalled past the
-    timeout, [Note: collective timeouts])."""
+    """What the ranks of a multi-process save agree through (`multi_process.RankAgreement`): True when every rank
+    said ok at the same `when` (each point of the save has one, a failing rank's included: a rank at another point
+    raises, [Note: tagged agreements]); an error naming `when` and the peer when the agreement itself fails (a rank
+    died or stalled past the timeout, [Note: collective timeouts])."""
 
     def all_ok(self, ok: bool, when: str) -> bool: ...
 
@@ -65,17 +67,18 @@ def staged(final: str, agreement: Agreement | None = None, is_writer: bool = Tru
             shutil.rmtree(staging, ignore_errors=True)
 
     together(agreement, prepare, f"before writing the checkpoint {final}", undo=discard)
+    written = f"after writing the checkpoint {final} (discarded)"  # the point a failing rank joins too
     try:
         yield staging
     except BaseException as error:
         try:  # after the agreement: the other ranks may still be writing into the directory until then
             if agreement is not None:
-                _say_failed(agreement, f"while writing the checkpoint {final} (discarded)", error)
+                _say_failed(agreement, written, error)
         finally:
             discard()
         raise
     try:
-        everyone = agreement is None or agreement.all_ok(True, f"after writing the checkpoint {final} (discarded)")
+        everyone = agreement is None or agreement.all_ok(True, written)
     except BaseException:
         discard()
         raise
