@@ -1,6 +1,6 @@
 """The reaches into the user's model object: its methods patched per instance, transformers' and PEFT's
-`save_pretrained`, transformers' PEFT-adapter flag ([Note: compatibility reaches]). Written against torch 2.13,
-transformers 5.24 and peft 0.21."""
+`save_pretrained`, transformers' PEFT-adapter flag, the loss function its forward calls and a forward of its class's
+own ([Note: compatibility reaches]). Written against torch 2.13, transformers 5.24 and peft 0.21."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import LibraryChangedError, require_mention, require_parameters
+from . import LibraryChangedError, mentions, require_attribute, require_mention, require_parameters
 
 
 def patch_methods(model: nn.Module, methods: Mapping[str, Callable]) -> dict[str, Callable | None]:
@@ -96,3 +96,46 @@ def has_transformers_adapters(model: nn.Module) -> bool:
     require_mention(PreTrainedModel.save_pretrained, "_hf_peft_config_loaded", "transformers",
                     "PreTrainedModel._hf_peft_config_loaded (adapters loaded through transformers)")
     return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def own_loss_function(causal_lm: nn.Module) -> Callable | None:
+    """The function the model's own forward computes its `loss` with, when it is not transformers' plain causal-LM
+    loss (`ForCausalLMLoss`, which the pipeline's head computes fused): a `model.loss_function = fn` of the user's,
+    a `model.loss_type` naming another `LOSS_MAPPING` entry, a replaced `LOSS_MAPPING["ForCausalLM"]`, a subclass's
+    own `loss_function` ([Note: the model's own loss function] in `models/causal_lm.py`). None when it is that plain
+    loss, and when the class's forward does not call `self.loss_function` at all: then nothing set there changes
+    HF's loss either. transformers 5.24: `PreTrainedModel.loss_function` is a property giving `_loss_function` when
+    set, else `LOSS_MAPPING[loss_type]`; the forward is read once per class ([Note: compat checks run once])."""
+    forward = getattr(type(causal_lm), "forward", None)
+    if forward is None or not mentions(forward, "loss_function"):
+        return None
+    loss_function = getattr(causal_lm, "loss_function", None)
+    if loss_function is None:
+        return None
+    return None if loss_function is _plain_causal_lm_loss() else loss_function
+
+
+def _plain_causal_lm_loss() -> Callable:
+    """`transformers.loss.loss_utils.ForCausalLMLoss` (transformers 5.24 and 4.57), the loss the head computes."""
+    import importlib
+
+    module = importlib.import_module("transformers.loss.loss_utils")
+    return require_attribute(module, "ForCausalLMLoss", "transformers", "transformers.loss.loss_utils.ForCausalLMLoss "
+                             "(the causal-LM loss RoundPipe's head computes fused)")
+
+
+def forward_override(causal_lm: nn.Module) -> str | None:
+    """Where the model's class overrides the forward of the transformers class it derives from
+    ("`pkg.ZLossLlama.forward` overrides `LlamaForCausalLM.forward`"), else None: a forward defined outside the
+    `transformers` package below a transformers class that has its own. The engine runs the decoder layers and the
+    loss itself and never calls it, so what it changes would be lost ([Note: the model's own loss function]). A
+    class-level patch of the transformers class itself (Liger's) is that class's forward, not an override; remote
+    code (`transformers_modules.*`) deriving from no transformers causal LM is the family's own forward."""
+    owners = [cls for cls in type(causal_lm).__mro__ if "forward" in vars(cls)]
+    if not owners or owners[0].__module__.startswith("transformers."):
+        return None
+    library = next((cls for cls in owners[1:] if cls.__module__.startswith("transformers.")), None)
+    if library is None:
+        return None
+    own = owners[0]
+    return f"`{own.__module__}.{own.__qualname__}.forward` overrides `{library.__qualname__}.forward`"

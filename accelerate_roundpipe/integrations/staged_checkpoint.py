@@ -16,11 +16,11 @@ optimizer shard, its RNG state), so one rank, the writer, prepares and renames i
 the directory is clean before anyone writes, everyone wrote before the rename (a rank that raised says so, and then
 every rank raises and the writer discards the directory), and the rename is done before anyone goes on. A failing
 rank joins the agreement too (saying it failed), so a failure never leaves the others waiting at a barrier; a rank
-at another point (another agreement, a barrier of its own) makes every rank raise at once ([Note: tagged
-agreements] in `multi_process.py`). A rank that dies or stalls instead makes the agreement itself fail on the
-others, within `wait_timeout_s` ([Note: collective timeouts]), with an error naming the checkpoint and the peer;
-the writer discards the directory then too (only a killed writer leaves its `tmp-checkpoint-N/`). The ranks must
-see one filesystem (or save on each node: then each node's first process is that node's writer).
+at another point (another agreement, a barrier of its own) makes every rank raise at once
+([Note: tagged agreements] in `multi_process.py`). A rank that dies or stalls instead makes the agreement itself
+fail on the others, within `wait_timeout_s` ([Note: collective timeouts]), with an error naming the checkpoint and
+the peer; the writer discards the directory then too (only a killed writer leaves its `tmp-checkpoint-N/`). The
+ranks must see one filesystem (or save on each node: then each node's first process is that node's writer).
 """
 
 from __future__ import annotations

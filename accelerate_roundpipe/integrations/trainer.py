@@ -6,8 +6,9 @@ What changes under the Trainer's loop, and nothing else:
   default) to the engine's optimizer copies, stepped on the optimizer thread (exactly by default, one step late with
   `async_optimizer`);
 - `training_step` is one fused pipelined `forward_backward` per batch, its gradients committed with the scale the
-  Trainer would have given `backward` (custom `compute_loss`/`compute_loss_func`/label smoothing go through the
-  model's patched forward instead, exact too);
+  Trainer would have given `backward` (custom `compute_loss`/`compute_loss_func`/label smoothing, and a model loss
+  function other than transformers' causal-LM loss, go through the model's patched forward instead, exact too:
+  [Note: the model's own loss function] in `models/causal_lm.py`);
 - the gradient norm: with `max_grad_norm > 0` it is this step's, exact ([Note: clipping without a drain]); without
   clipping it is measured on the optimizer thread and logged one step late ([Note: late grad norm]);
 - checkpoints flush the steps in flight first (through the patched `save_pretrained` and the optimizer's
@@ -254,10 +255,13 @@ class RoundPipeTrainer(Trainer):
         return (loss * scale).detach().to(self.args.device)
 
     def _runs_fused_step(self, engine, inputs) -> bool:
-        """The model's own loss with nothing custom around it: one `forward_backward` computes all of it."""
+        """The model's own loss with nothing custom around it: one `forward_backward` computes all of it. A loss
+        function of the model's own goes through `compute_loss` as `compute_loss_func` does: its loss is then this
+        rank's under data parallelism, which the Trainer's scaling expects ([Note: the model's own loss function])."""
         return (isinstance(engine, CausalLMRoundPipe) and "labels" in inputs
                 and type(self).compute_loss is RoundPipeTrainer.compute_loss
-                and self.compute_loss_func is None and self.label_smoother is None)
+                and self.compute_loss_func is None and self.label_smoother is None
+                and engine.custom_loss_function() is None)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """`Trainer.compute_loss`; with several processes, the num_processes factor it puts on a loss normalised by

@@ -11,6 +11,21 @@ is patched to route through the engine, so code holding the model keeps working:
   per-token log-probabilities, entropies and the rest of TRL's `FusedCausalLMOutput`, computed in the pipeline's
   head without the logits ever leaving it ([Note: per-token fields] in `token_fields.py`), attached to the backward
   pipeline when grad is enabled.
+
+[Note: the model's own loss function]
+HF's causal-LM forwards compute `loss = self.loss_function(logits=logits, labels=labels, vocab_size=..., **kwargs)`;
+the pipeline's head computes transformers' `ForCausalLMLoss` fused, without the logits. When the model's loss
+function is another one (`model.loss_function = fn`, a `model.loss_type` naming another `LOSS_MAPPING` entry, a
+replaced `LOSS_MAPPING["ForCausalLM"]`, a subclass's `loss_function`: `compat.hf_models.own_loss_function`, read on
+every call, so a function set after wrapping counts), a call with `labels` takes the logits path instead: the logits
+of the whole batch (attached to the backward pipeline when grad is enabled), and that function called on them on the
+host as Llama's forward calls it, `fn(logits=logits, labels=labels, vocab_size=logits.shape[-1])` plus
+`num_items_in_batch` when given, the router aux loss of MoE models added as HF adds it. Exact (the same loss and
+gradients as the plain model), slower: the whole batch's logits are made and downloaded. Under data parallelism
+that loss is this rank's, as under DDP ([Note: data-parallel loss scaling]). `forward_backward` does the same on one
+process; with several it refuses (its loss is the global batch's, which only the head's loss gives). A class whose
+`forward` overrides the transformers class's (`forward_override`) is refused when wrapped: the engine never calls
+it, so what it changes would be lost.
 """
 
 from __future__ import annotations
@@ -25,7 +40,9 @@ from torch import nn
 from ..compat.hf_models import (
     SavePretrainedCall,
     class_method,
+    forward_override,
     has_transformers_adapters,
+    own_loss_function,
     patch_methods,
     restore_methods,
     save_pretrained_call,
@@ -34,7 +51,9 @@ from ..compat.trl_internals import fused_head_setting, fused_output_class
 from ..config import RoundPipeConfig
 from ..runtime.engine import RoundPipe
 from ..runtime.saved_weights import model_dtype, model_dtype_state_dict
+from .errors import UnsupportedModelError
 from .kernels import apply_fused_kernels
+from .parts import unwrap_peft
 from .router_aux import batch_router_aux_loss
 from .split import DEFAULT_LOSS_CHUNK_TOKENS, split_causal_lm
 from .tiled_mlp import tile_mlps
@@ -53,6 +72,29 @@ def _causal_lm_output(loss, logits):
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+def refuse_forward_override(model: nn.Module) -> None:
+    """Refuse a model whose class overrides its transformers class's `forward` ([Note: the model's own loss
+    function])."""
+    override = forward_override(unwrap_peft(model))
+    if override is not None:
+        raise UnsupportedModelError(model, (
+            f"{override}, and RoundPipe never calls it: the engine runs the decoder layers and the loss itself, so "
+            f"what that forward changes (its loss, its logits) would be silently lost. Compute a custom loss from "
+            f"the logits instead, where RoundPipe honours it: `model.loss_function = fn` (called as "
+            f"`fn(logits=..., labels=..., vocab_size=..., num_items_in_batch=...)`), the Trainer's "
+            f"`compute_loss_func`, or a `compute_loss` override calling `model(**inputs)`; and train the "
+            f"transformers class itself"))
+
+
+def model_loss(loss_function, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """The model's loss from the whole batch's logits: HF's causal-LM loss when `loss_function` is None, else the
+    model's own loss function, called as Llama's forward calls it ([Note: the model's own loss function])."""
+    if loss_function is None:
+        return causal_lm_loss(logits, labels, num_items_in_batch)
+    counted = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+    return loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **counted)
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
     """HF's causal-LM loss (shift, ignore -100, mean over label tokens or sum / `num_items_in_batch`)."""
     shift_logits = logits[:, :-1, :].float().flatten(0, 1)
@@ -68,6 +110,7 @@ class CausalLMRoundPipe(RoundPipe):
     def __init__(self, model: nn.Module, config: RoundPipeConfig | None = None, *,
                  loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS, allow_short_batches: bool = False) -> None:
         config = config if config is not None else RoundPipeConfig()
+        refuse_forward_override(model)
         kernels_applied = apply_fused_kernels(model, config.resolved_kernels, config.resolved_devices())
         split = split_causal_lm(model, loss_chunk_tokens=loss_chunk_tokens,
                                 head_shards=resolve_head_shards(config, getattr(model, "config", None)))
@@ -97,10 +140,36 @@ class CausalLMRoundPipe(RoundPipe):
                             "labels=..., ...) and computes its own loss; loss_fn/loss_reduction do not apply.")
         if labels is None:
             raise ValueError("forward_backward needs `labels` in the batch (the model's loss is computed from them).")
+        loss_function = self.custom_loss_function()
+        if loss_function is not None:
+            return self._own_loss_forward_backward(loss_function, labels, batch, grad_scale, deferred)
         batch = self._model_inputs(batch)
         batch_tokens = self._global_counts(batch, labels)
         inputs = self.split.prepare_inputs(labels=labels, batch_tokens=batch_tokens, **batch)
         return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
+
+    def custom_loss_function(self):
+        """The model's own loss function when the pipeline's head does not compute it, else None ([Note: the
+        model's own loss function]); read on every call."""
+        return own_loss_function(unwrap_peft(self.split.source_model))
+
+    def _own_loss_forward_backward(self, loss_function, labels, batch: dict[str, Any], grad_scale: float,
+                                   deferred: bool) -> torch.Tensor:
+        """`forward_backward` of a model with its own loss function: the logits path's loss, back-propagated
+        ([Note: the model's own loss function])."""
+        if self.data_parallel is not None:
+            name = getattr(loss_function, "__qualname__", None) or repr(loss_function)
+            raise ValueError(
+                f"the model's loss function is {name} (set through `model.loss_function` or `model.loss_type`), not "
+                f"transformers' ForCausalLMLoss, and with several processes `forward_backward` returns the loss of "
+                f"the global batch, which RoundPipe computes only for ForCausalLMLoss. Call `model(**batch)` and "
+                f"back-propagate its `.loss` (`accelerator.backward(loss)`): it is computed from this rank's logits "
+                f"by your function, as under DDP.")
+        loss = self._hf_forward(labels=labels, **batch).loss
+        if deferred:
+            return loss
+        (loss * grad_scale).backward()
+        return loss.detach()
 
     def _global_counts(self, batch: dict[str, Any], labels: torch.Tensor) -> int | None:
         """What a loss is normalised by counts the GLOBAL batch: the label tokens (HF's `num_items_in_batch`, unless
@@ -156,14 +225,17 @@ class CausalLMRoundPipe(RoundPipe):
                                         inputs_embeds=inputs_embeds, **kwargs))
         if fused_lm_head or shift_labels is not None:
             return self._fused_lm_head_output(batch, labels, shift_labels, num_items_in_batch)
-        if labels is not None and self.module.training and torch.is_grad_enabled():
+        # A loss function of the model's own takes the logits path ([Note: the model's own loss function]).
+        loss_function = self.custom_loss_function() if labels is not None else None
+        fused = labels is not None and loss_function is None
+        if fused and self.module.training and torch.is_grad_enabled():
             loss = self.forward_backward(labels=labels, num_items_in_batch=num_items_in_batch, deferred=True, **batch)
             return _causal_lm_output(loss, None)
         # HF adds the router aux loss of MoE models to the loss (in eval too): carry the router statistics then.
         router_aux = labels is not None and self.split.router_experts is not None
         output = self(*self.split.prepare_inputs(**batch, router_statistics=router_aux))
         logits = output[0] if router_aux else output
-        loss = causal_lm_loss(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = model_loss(loss_function, logits, labels, num_items_in_batch) if labels is not None else None
         if router_aux:
             aux = batch_router_aux_loss(output[1], output[2])
             loss = loss + self.split.layers[-1].router_aux_loss_coef * aux.to(loss.device, loss.dtype)
