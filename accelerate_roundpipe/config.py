@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -25,16 +25,57 @@ _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f")
 
 
-def str_to_bool(value: str, name: str) -> bool:
+class SettingError(ValueError):
+    """A setting refused where it was given ([Note: settings checked where given]): the message names the setting as
+    the user wrote it and what it must be. A ValueError, so callers of the Python API catch it as before; the command
+    lines (`accelerate-roundpipe`, `python -m accelerate_roundpipe.run`) print it as one `prog: error: ...` line and
+    exit with status 2. `source`: "argument" (a Python argument, named generically), "environment" or "given" (a
+    `Given` said where)."""
+
+    def __init__(self, message: str, source: str = "argument") -> None:
+        super().__init__(message)
+        self.source = source
+
+
+@dataclass(frozen=True)
+class Given:
+    """Where a setting's value was written, so that a refusal names it there: `spelling` is how a value is written
+    in that place, `{value}` (or `{value!r}`) where the value goes ("--devices {value}", "`devices: {value}`",
+    "ROUNDPIPE_DEVICES={value!r}"); `place` is what says where that text is (" in the `roundpipe:` section of
+    c.yaml"), when the spelling does not. A refusal's fix is spelt the same way."""
+
+    spelling: str
+    place: str = ""
+    environment: bool = False
+    fix_spelling: str = ""  # how a fix is spelt, when not as `spelling` (a field also set by a flag)
+
+    def spell(self, value: Any) -> str:
+        return (self.fix_spelling or self.spelling).format(value=value)
+
+    def written(self, value: Any) -> str:
+        return self.spelling.format(value=value) + self.place
+
+
+def environment_variable(name: str) -> Given:
+    return Given(name + "={value!r}", environment=True)
+
+
+_BOOLEANS = f"use one of {_TRUE + _FALSE}"
+
+
+def str_to_bool(value: str, written: str, source: str = "argument") -> bool:
+    """`value` as a boolean, else a SettingError that starts with `written`, the setting as the user wrote it
+    ("ROUNDPIPE_SUMMARY='maybe'")."""
     text = value.strip().lower()
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"{name}={value!r} is not a boolean; use one of {_TRUE + _FALSE}.")
+    raise SettingError(f"{written} is not a boolean; {_BOOLEANS}.", source)
 
 
-def to_dtype(value: Any, name: str) -> torch.dtype | None:
+def to_dtype(value: Any, written: str, source: str = "argument") -> torch.dtype | None:
+    """`value` as a floating-point dtype, else a SettingError that starts with `written`, the setting as written."""
     if value is None or isinstance(value, torch.dtype):
         return value
     text = str(value).strip().lower().removeprefix("torch.")
@@ -42,20 +83,26 @@ def to_dtype(value: Any, name: str) -> torch.dtype | None:
                "fp64": "float64", "double": "float64"}
     dtype = getattr(torch, aliases.get(text, text), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. 'bfloat16', 'float32').")
+        raise SettingError(f"{written} is not a floating-point torch dtype (e.g. 'bfloat16', 'float32').", source)
     return dtype
 
 
 def knob(name: str) -> str:
     """A setting as the user can give it: the field (of `RoundPipeConfig`, `RoundPipePlugin`, the `roundpipe:` section
-    and `accelerate-roundpipe config --<field>`), the `--roundpipe_<field>` training argument and the variable."""
+    and `accelerate-roundpipe config --<field>`), the `--roundpipe_<field>` training argument and the variable. What a
+    refusal names when it does not know where the value came from (a Python argument)."""
     return f"{name} (--roundpipe_{name}, env {ENV_PREFIX}{name.upper()})"
 
 
-def _refusal(name: str, value: Any, allowed: str, from_env: bool) -> ValueError:
-    if from_env:  # as the user wrote it first: the variable may have been exported long ago, or by a launcher
-        return ValueError(f"{ENV_PREFIX}{name.upper()}={value!r} in the environment: {knob(name)} must be {allowed}.")
-    return ValueError(f"{knob(name)} must be {allowed}; got {value!r}.")
+def _refusal(name: str, value: Any, allowed: str, given: Given | None) -> SettingError:
+    if given is None:
+        return SettingError(f"{knob(name)} must be {allowed}; got {value!r}.")
+    # as the user wrote it first: a variable may have been exported long ago, a file written by someone else
+    return SettingError(f"{given.written(value)}: {name} must be {allowed}.", _source(given))
+
+
+def _source(given: Given | None) -> str:
+    return "argument" if given is None else "environment" if given.environment else "given"
 
 
 @dataclass(frozen=True)
@@ -87,6 +134,10 @@ class NumberRange:
 # machine at construction too (`check_cuda_devices`). `RoundPipePlugin`, `RoundPipeTrainingArguments` and the
 # launchers construct one where the settings are given, so a bad setting stops a script before it loads or tokenizes
 # anything. tests/test_setting_checks.py finds the numeric fields from their types: a new one cannot skip its range.
+# A refusal (`SettingError`) names the value where the user wrote it, as the user wrote it: the variable read here, or
+# what the caller says in `sources` (`Given`: a config file's key, a command's flag, a training argument); a Python
+# argument, whose source only the caller's code knows, by the field, its flag and its variable (`knob`). Naming the
+# variable for a value that came from elsewhere sends the user looking for an export that does not exist.
 NUMBER_RANGES: dict[str, NumberRange] = {
     "num_microbatches": NumberRange(integer=True, least=1),
     "microbatches_per_round": NumberRange(integer=True, least=1),
@@ -119,7 +170,7 @@ def _parse_number(value: Any, units: tuple[str, ...] = ()) -> int | float | None
     return None
 
 
-def number_setting(value: Any, name: str, rule: NumberRange, from_env: bool = False) -> int | float | str:
+def number_setting(value: Any, name: str, rule: NumberRange, given: Given | None = None) -> int | float | str:
     """`value` as the setting `name` takes it (see [Note: settings checked where given]), or a ValueError naming it."""
     if rule.auto and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -131,28 +182,28 @@ def number_setting(value: Any, name: str, rule: NumberRange, from_env: bool = Fa
                 return number
         elif not rule.integer and number > 0:
             return float(number)
-    raise _refusal(name, value, rule.allowed, from_env)
+    raise _refusal(name, value, rule.allowed, given)
 
 
-def _int_list(value: Any, name: str, from_env: bool = False) -> list[int] | None:
+def _int_list(value: Any, name: str, given: Given | None = None) -> list[int] | None:
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else list(value)
     counts = [_parse_number(v) for v in items]
     if not counts or any(c is None or not math.isfinite(c) or c != int(c) or c < 1 for c in counts):
         raise _refusal(name, value, "a list of layer counts, e.g. '3,3,2' (every stage needs at least one layer)",
-                       from_env)
+                       given)
     return [int(c) for c in counts]
 
 
 WORKER_TYPES = ("cuda", "cpu")
 
 
-def _device_list(value: Any, from_env: bool = False) -> list[str]:
+def _device_list(value: Any, given: Given | None = None) -> list[str]:
     """Parse `devices` ('cuda:0,cuda:1', ['cpu', 'cpu']): only GPUs and CPU workers are RoundPipe workers."""
     items = [d.strip() for d in value.split(",") if d.strip()] if isinstance(value, str) else list(value)
     if not items:
-        raise _refusal("devices", value, "at least one worker, e.g. 'cuda:0' or 'cpu'", from_env)
+        raise _refusal("devices", value, "at least one worker, e.g. 'cuda:0' or 'cpu'", given)
     out = []
     for item in items:
         try:
@@ -162,30 +213,43 @@ def _device_list(value: Any, from_env: bool = False) -> list[str]:
         if device is None or device.type not in WORKER_TYPES:
             raise _refusal("devices", value, f"a list of workers: GPUs as 'cuda:N' (or 'cuda') and CPU workers as "
                                              f"'cpu', e.g. 'cuda:0,cuda:1' or 'cpu,cpu' ({item!r} is not one)",
-                           from_env)
-        out.append("cpu" if str(item).strip() == "cpu" else str(device))
+                           given)
+        if device.type == "cpu" and device.index is not None:
+            # torch takes 'cpu:1' and puts its tensors on the one CPU: the index would mean nothing, silently.
+            written = given.written(value) if given else f"{knob('devices')}={value!r}"
+            example = f": {given.spell('cpu,cpu')}" if given else ""
+            raise SettingError(f"{written}: CPU workers are written 'cpu', one entry per worker (e.g. 'cpu,cpu' for "
+                               f"two{example}); {str(item).strip()!r} would run as 'cpu' (a CPU worker is a thread "
+                               f"of this process, on no particular CPU).", _source(given))
+        out.append(str(device))
     return out
 
 
-def check_cuda_devices(devices: list[torch.device]) -> None:
+def check_cuda_devices(devices: list[torch.device], given: Given | None = None, value: Any = None) -> None:
     """Refuse CUDA workers this machine cannot run, naming the setting (else the first pinned buffer fails deep
-    inside torch with "Torch not compiled with CUDA enabled")."""
+    inside torch with "Torch not compiled with CUDA enabled"); `given`: where `value`, the devices as written, was
+    given, when known."""
     cuda = [d for d in devices if d.type == "cuda"]
     if not cuda:
         return
     named = ",".join(str(d) for d in devices)
-    fix = (f"Set devices to CPU workers (env {ENV_PREFIX}DEVICES=cpu,cpu, --roundpipe_devices cpu,cpu, or "
-           f"`devices: cpu,cpu` in the `roundpipe:` section), or leave it unset to use every visible GPU.")
+    if given is None:
+        written = f"devices (env {ENV_PREFIX}DEVICES)={named!r}"
+        fix = (f"Set devices to CPU workers (env {ENV_PREFIX}DEVICES=cpu,cpu, --roundpipe_devices cpu,cpu, or "
+               f"`devices: cpu,cpu` in the `roundpipe:` section), or leave it unset to use every visible GPU.")
+    else:
+        written = given.written(named if value is None else value)
+        fix = f"Set CPU workers ({given.spell('cpu,cpu')}), or leave devices unset to use every visible GPU."
     if not torch.cuda.is_available():
         why = ("this PyTorch was built without CUDA" if torch.version.cuda is None
                else "no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)")
-        raise ValueError(f"devices (env {ENV_PREFIX}DEVICES)={named!r} names CUDA devices, but {why} "
-                         f"(torch {torch.__version__}). {fix}")
+        raise SettingError(f"{written} names CUDA devices, but {why} (torch {torch.__version__}). {fix}",
+                           _source(given))
     count = torch.cuda.device_count()
     missing = [str(d) for d in cuda if (d.index or 0) >= count]
     if missing:
-        raise ValueError(f"devices (env {ENV_PREFIX}DEVICES)={named!r} names {', '.join(missing)}, but only {count} "
-                         f"CUDA GPU(s) are visible (cuda:0 to cuda:{count - 1}). Name visible GPUs only. {fix}")
+        raise SettingError(f"{written} names {', '.join(missing)}, but only {count} CUDA GPU(s) are visible (cuda:0 "
+                           f"to cuda:{count - 1}). Name visible GPUs only. {fix}", _source(given))
 
 
 @dataclass(kw_only=True)
@@ -249,8 +313,9 @@ class RoundPipeConfig:
             norm, lm_head, loss) into this many pipeline layers, one per vocabulary shard, carrying online-softmax
             statistics between them (see [Note: vocabulary shards] in `models/vocab_shards.py`), so the planner can
             spread a long-vocabulary head over several stages; "auto" takes the count the planner picks from the
-            model's FLOPs for the devices in use (1 on one device). Each shard still uploads the whole head weight
-            (the host store has no row-range buckets yet). Default: 1 (one head layer).
+            model's FLOPs for the devices in use (1 on one device). Each shard uploads only its rows of the head
+            weight and downloads only their gradient ([Note: row windows] in `runtime/host_store.py`). Default: 1
+            (one head layer).
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
             host (see [Note: saved inputs]). Default: what the GPU has (CPU workers: saved inputs go through the
@@ -321,59 +386,89 @@ class RoundPipeConfig:
     data_parallel: bool | None = field(default=None, metadata={
         "help": "Run as one rank of a torch.distributed data-parallel group. Default: on when world size > 1."})
 
-    def __post_init__(self) -> None:
-        from_env = set()
+    # Where each value was written, when the caller knows: {field: Given}; a refusal names it there
+    # ([Note: settings checked where given]). Not a field: it is no setting, and every list of settings is
+    # `dataclasses.fields`.
+    sources: InitVar[dict[str, Given] | None] = None
+
+    def __post_init__(self, sources: dict[str, Given] | None = None) -> None:
+        self._given = {name: given for name, given in (sources or {}).items() if getattr(self, name) is not None}
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
                 for name in (ENV_PREFIX + f.name.upper(), *f.metadata.get("env_aliases", ())):
                     raw = os.environ.get(name)
                     if raw is not None and raw.strip() != "":
                         setattr(self, f.name, raw)
-                        from_env.add(f.name)
+                        self._given[f.name] = environment_variable(name)
                         break
-        self._normalise(from_env)
+        self._as_given = {name: getattr(self, name) for name in self._given}
+        self._normalise()
 
-    def _normalise(self, from_env: set[str] = frozenset()) -> None:
-        """Every value to its final type, refused here when no engine could use it, naming the knob
-        ([Note: settings checked where given])."""
+    def setting_as_given(self, name: str) -> str:
+        """The setting `name` as the user gave it, for a message about its value: "ROUNDPIPE_NUM_MICROBATCHES='8'",
+        "`num_microbatches: 8` in the `roundpipe:` section of c.yaml", "roundpipe_num_microbatches=8 (a
+        RoundPipeTrainingArguments field, ...)"; for a Python argument the field, its flag and its variable."""
+        given = self._given.get(name)
+        if given is None:
+            return f"{knob(name)}={getattr(self, name)!r}"
+        return given.written(self._as_given[name])
+
+    def _written(self, name: str, value: Any) -> tuple[str, str]:
+        """(`value` of setting `name` as written, where it was written; the SettingError source)."""
+        given = self._given.get(name)
+        return (f"{knob(name)}={value!r}" if given is None else given.written(value)), _source(given)
+
+    def _normalise(self) -> None:
+        """Every value to its final type, refused here when no engine could use it, naming the setting where it was
+        given ([Note: settings checked where given])."""
+        given = self._given
         if self.devices is not None:
-            self.devices = _device_list(self.devices, "devices" in from_env)
-            check_cuda_devices([torch.device(d) for d in self.devices])
+            raw = self.devices
+            self.devices = _device_list(raw, given.get("devices"))
+            check_cuda_devices([torch.device(d) for d in self.devices], given.get("devices"), raw)
         for name, rule in NUMBER_RANGES.items():
             value = getattr(self, name)
             if value is not None:
-                setattr(self, name, number_setting(value, name, rule, name in from_env))
+                setattr(self, name, number_setting(value, name, rule, given.get(name)))
         for name in ("async_optimizer", "pin_memory", "summary", "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, str):
-                setattr(self, name, str_to_bool(value, ENV_PREFIX + name.upper() if name in from_env else knob(name)))
+                setattr(self, name, str_to_bool(value, *self._written(name, value)))
             elif value is not None and not isinstance(value, bool):
                 if value not in (0, 1):
-                    raise _refusal(name, value, "a boolean (true or false)", name in from_env)
+                    raise _refusal(name, value, "a boolean (true or false)", given.get(name))
                 setattr(self, name, bool(value))
         if self.pin_memory and not torch.cuda.is_available():
-            raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
-                             "and this machine has none. Set pin_memory=False (--roundpipe_pin_memory false, "
-                             "ROUNDPIPE_PIN_MEMORY=0) or leave it unset.")
-        self.param_dtype = to_dtype(self.param_dtype, knob("param_dtype"))
-        self.optimizer_dtype = to_dtype(self.optimizer_dtype, knob("optimizer_dtype"))
+            pin = given.get("pin_memory")
+            if pin is None:
+                raise SettingError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs "
+                                   "CUDA and this machine has none. Set pin_memory=False (--roundpipe_pin_memory "
+                                   "false, ROUNDPIPE_PIN_MEMORY=0) or leave it unset.")
+            raise SettingError(f"{pin.written(self._as_given['pin_memory'])} asks to page-lock host memory, which "
+                               f"needs CUDA, and this machine has none. Set {pin.spell('false')} or leave it unset.",
+                               _source(pin))
+        for name in ("param_dtype", "optimizer_dtype"):
+            setattr(self, name, to_dtype(getattr(self, name), *self._written(name, getattr(self, name))))
         for name, choices in (("recompute", RECOMPUTE_GRAINS), ("plan", PLAN_CHOICES), ("kernels", KERNEL_CHOICES),
                               ("optimizer_placement", PLACEMENT_CHOICES)):
             value = getattr(self, name)
             if value is not None:
-                value = str(value).strip().lower()
-                if value not in choices:
-                    raise ValueError(f"{knob(name)}={value!r}; choose one of {list(choices)}.")
-                setattr(self, name, value)
-        self.forward_stages = _int_list(self.forward_stages, "forward_stages", "forward_stages" in from_env)
-        self.backward_stages = _int_list(self.backward_stages, "backward_stages", "backward_stages" in from_env)
+                text = str(value).strip().lower()
+                if text not in choices:
+                    if name not in given:
+                        raise SettingError(f"{knob(name)}={text!r}; choose one of {list(choices)}.")
+                    raise SettingError(f"{given[name].written(value)}: choose one of {list(choices)}.",
+                                       _source(given[name]))
+                setattr(self, name, text)
+        for name in ("forward_stages", "backward_stages"):
+            setattr(self, name, _int_list(getattr(self, name), name, given.get(name)))
 
     # Resolved values: what the engine actually uses, and the defaults the docs state (tests/test_docs_defaults.py).
     def resolved_devices(self) -> list[torch.device]:
         """The workers; named CUDA devices are checked against what this machine has (an engine asks once)."""
         if self.devices is not None:
             devices = [torch.device(d) for d in self.devices]
-            check_cuda_devices(devices)
+            check_cuda_devices(devices, self._given.get("devices"), self._as_given.get("devices"))
             return devices
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]

@@ -12,7 +12,10 @@ import difflib
 import os
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, RoundPipeConfig
+from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError
+
+WHERE_SETTINGS_COME_FROM = ("(settings come from RoundPipePlugin(...) arguments, --roundpipe_* training arguments, the "
+                            "`roundpipe:` section of the accelerate config, or ROUNDPIPE_* environment variables)")
 
 
 def known_variables() -> list[str]:
@@ -39,8 +42,8 @@ def check_variable_names(environ: dict[str, str] | None = None) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1)
         hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
-    raise ValueError(f"unknown RoundPipe environment variable(s): {', '.join(hints)}. RoundPipe reads only "
-                     f"{', '.join(known)}; rename or unset the others.")
+    raise SettingError(f"unknown RoundPipe environment variable(s): {', '.join(hints)}. RoundPipe reads only "
+                       f"{', '.join(known)}; rename or unset the others.", "environment")
 
 
 @dataclass(kw_only=True)
@@ -57,11 +60,15 @@ class RoundPipePlugin(RoundPipeConfig):
         accelerator = RoundPipeAccelerator(roundpipe_plugin=plugin, gradient_accumulation_steps=4)
     """
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, sources: dict[str, Given] | None = None) -> None:
         check_variable_names()
         try:
-            super().__post_init__()
-        except (ValueError, RuntimeError, TypeError) as error:
-            raise ValueError(f"invalid RoundPipe setting: {error} (settings come from RoundPipePlugin(...) "
-                             f"arguments, --roundpipe_* training arguments, the `roundpipe:` section of the accelerate "
-                             f"config, or ROUNDPIPE_* environment variables)") from error
+            super().__post_init__(sources)
+        except SettingError as error:
+            # The message says what and where; the frames below are the checks' own (from None: one message).
+            if error.source == "given":  # the caller said where: a flag, a config file's key, a training argument
+                raise
+            # A variable (named as such), or a Python argument: where else settings come from.
+            raise SettingError(f"invalid RoundPipe setting: {error} {WHERE_SETTINGS_COME_FROM}", error.source) from None
+        except (ValueError, RuntimeError, TypeError) as error:  # not a check's refusal: keep the chain
+            raise ValueError(f"invalid RoundPipe setting: {error} {WHERE_SETTINGS_COME_FROM}") from error

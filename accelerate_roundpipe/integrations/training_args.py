@@ -14,7 +14,7 @@ import typing
 
 from transformers import TrainingArguments
 
-from ..config import ENV_PREFIX, RoundPipeConfig
+from ..config import ENV_PREFIX, Given, RoundPipeConfig
 from .plugin import RoundPipePlugin
 
 PREFIX = "roundpipe_"
@@ -55,13 +55,7 @@ def _place_model_on_device(self) -> bool:
 def _check_then_post_init(self) -> None:
     """The RoundPipe settings are checked here, where they are given ([Note: settings checked where given]): a
     script that builds its arguments first fails before it loads or tokenizes anything, not inside `train()`."""
-    try:
-        plugin_from_training_args(self)
-    except ValueError as error:
-        given = ", ".join(f"{PREFIX}{f.name}={getattr(self, PREFIX + f.name)!r}" for f in dataclasses.fields(
-            RoundPipeConfig) if getattr(self, PREFIX + f.name) is not None)
-        raise ValueError(f"RoundPipeTrainingArguments({given or 'RoundPipe settings from the environment'}): "
-                         f"{error}") from error
+    plugin_from_training_args(self)  # a refusal names the field (or the variable) it was given as
     TrainingArguments.__post_init__(self)
 
 
@@ -72,8 +66,17 @@ RoundPipeTrainingArguments = dataclasses.make_dataclass(
 RoundPipeTrainingArguments.__module__ = __name__  # pickled into checkpoints (training_args.bin) by this name
 
 
+def field_given(name: str) -> Given:
+    """A `roundpipe_<name>` field as a refusal names it: set in code or by a script's `--roundpipe_<name>` flag
+    (`HfArgumentParser`), which cannot be told apart here."""
+    return Given(f"{PREFIX}{name}={{value!r}}", f" (a RoundPipeTrainingArguments field, --{PREFIX}{name})",
+                 fix_spelling=f"{PREFIX}{name}={{value!r}} or --{PREFIX}{name} {{value}}")
+
+
 def plugin_from_training_args(args: TrainingArguments) -> RoundPipePlugin:
     """The RoundPipe settings of a run: `roundpipe_*` arguments where given (any `TrainingArguments` subclass may
-    carry them), the `ROUNDPIPE_*` environment otherwise."""
+    carry them), the `ROUNDPIPE_*` environment otherwise. The plugin knows which came from where (its
+    `setting_as_given`), and a refusal names the field or the variable (a `SettingError`)."""
     values = {f.name: getattr(args, PREFIX + f.name, None) for f in dataclasses.fields(RoundPipeConfig)}
-    return RoundPipePlugin(**values)
+    return RoundPipePlugin(**values, sources={name: field_given(name) for name, value in values.items()
+                                              if value is not None})

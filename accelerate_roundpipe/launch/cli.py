@@ -10,6 +10,10 @@ variables (variables already set in the environment win), checks the launch star
 ([Note: one process per machine]; `--multi_gpu --num_machines N --num_processes N` for several), and hands over to
 accelerate's launcher with the script wrapped in `-m accelerate_roundpipe.run`. Without `--roundpipe` and without
 `enabled: true` in the section it is a plain `accelerate launch`.
+
+A setting refused by any subcommand (a `SettingError`) is one `accelerate-roundpipe CMD: error: ...` line and exit
+status 2 (`refusals.py`), naming the setting as that command took it: `config`'s `--<field>` flags, the section's
+keys with the file's path, the variables.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..config import ENV_PREFIX, RoundPipeConfig
+from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError
 from ..integrations.multi_process import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 from ..integrations.plugin import RoundPipePlugin
 from .config_file import (
@@ -31,11 +35,13 @@ from .config_file import (
     base_accelerate_config,
     default_config_path,
     read_config,
+    section_sources,
     section_variables,
     setting_names,
     split_section,
     write_config,
 )
+from .refusals import settings_refused_as
 
 RUN_MODULE = "accelerate_roundpipe.run"
 
@@ -54,11 +60,10 @@ def config_command(argv: list[str]) -> str:
     args = parser.parse_args(argv)
     import torch
 
-    section = {ENABLED_KEY: True}
-    section.update({name: _yaml_value(getattr(args, name)) for name in setting_names()
-                    if getattr(args, name) is not None})
-    variables = section_variables(section)
-    RoundPipePlugin(**_plugin_values(variables))  # check the values now, not at launch time
+    given = {name: getattr(args, name) for name in setting_names() if getattr(args, name) is not None}
+    # Check the values now, not at launch time; a refusal names the flag as this command spells it.
+    RoundPipePlugin(**given, sources={name: Given(f"--{name} {{value}}") for name in given})
+    section = {ENABLED_KEY: True, **{name: _yaml_value(value) for name, value in given.items()}}
     config = base_accelerate_config(use_cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
     config[SECTION] = section
     path = args.config_file or default_config_path()
@@ -79,8 +84,26 @@ def _yaml_value(text: str) -> bool | int | float | str:
     return text
 
 
-def _plugin_values(variables: dict[str, str]) -> dict[str, str]:
-    return {name.removeprefix(ENV_PREFIX).lower(): value for name, value in variables.items()}
+def _read_config(path: str) -> dict:
+    """The accelerate config file `--config_file` names; a file that cannot be read is a setting refused."""
+    if not os.path.isfile(path):
+        raise SettingError(f"--config_file {path}: no such file.", "given")
+    try:
+        config = read_config(path)
+    except (OSError, ValueError) as error:  # yaml's and json's parse errors are ValueErrors
+        raise SettingError(f"--config_file {path}: not a readable accelerate config ({error}).", "given") from None
+    if not isinstance(config, dict):
+        raise SettingError(f"--config_file {path}: not an accelerate config (a mapping of settings); got "
+                           f"{type(config).__name__}.", "given")
+    return config
+
+
+def _check_settings(section_variables_: dict[str, str], path: str | None) -> None:
+    """Refuse bad ROUNDPIPE_* names or values, and the section's values (`section_variables_`: those the environment
+    does not already set), each named where it was given: the variable, or the key in the file at `path`."""
+    from_file = {name.removeprefix(ENV_PREFIX).lower(): value for name, value in section_variables_.items()}
+    sources = section_sources(path)
+    RoundPipePlugin(**from_file, sources={name: sources[name] for name in from_file})
 
 
 def launch_command(argv: list[str]) -> None:
@@ -97,9 +120,9 @@ def launch_command(argv: list[str]) -> None:
     if args.config_file is None and os.path.isfile(default_config_path()):
         args.config_file = default_config_path()
 
-    config, section = ({}, None)
-    if args.config_file is not None:
-        config, section = split_section(read_config(args.config_file))
+    config, section, path = ({}, None, args.config_file)
+    if path is not None:
+        config, section = split_section(_read_config(path), path)
     use_roundpipe = use_roundpipe or bool(section and section.get(ENABLED_KEY, False))
 
     with tempfile.TemporaryDirectory(prefix="accelerate_roundpipe_") as scratch:
@@ -109,10 +132,12 @@ def launch_command(argv: list[str]) -> None:
             write_config(config, stripped)
             args.config_file = stripped
         if use_roundpipe:
-            for name, value in section_variables(section or {}).items():
-                os.environ.setdefault(name, value)
-            _check_launch_layout(args, config)
-            RoundPipePlugin()  # bad ROUNDPIPE_* names or values fail here, before anything is started
+            # The section's settings become variables; one the environment already sets stays the environment's.
+            from_file = {name: value for name, value in section_variables(section or {}, path).items()
+                         if name not in os.environ}
+            _check_launch_layout(args, config, environ={**os.environ, **from_file}, path=path)
+            _check_settings(from_file, path)  # before anything is started (or exported)
+            os.environ.update(from_file)
             if args.num_processes is None and "num_processes" not in config:
                 # One per machine; accelerate would otherwise start one process per GPU.
                 args.num_processes = args.num_machines or int(config.get("num_machines", 1))
@@ -125,18 +150,18 @@ def launch_command(argv: list[str]) -> None:
             raise SystemExit(error.returncode) from None
 
 
-def _check_launch_layout(args, config: dict, environ: dict[str, str] | None = None) -> None:
+def _check_launch_layout(args, config: dict, environ: dict[str, str] | None = None, path: str | None = None) -> None:
     """One process per machine ([Note: one process per machine]): refuse launch settings that start one process
-    per GPU or shard the model, before anything is started."""
+    per GPU or shard the model, before anything is started (`path`: the config file `config` came from)."""
     environ = os.environ if environ is None else environ
     problems = [f"--{flag}" for flag in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu")
                 if getattr(args, flag, False)]
     distributed = str(config.get("distributed_type", "NO")).split(".")[-1]
     if distributed not in ("NO", *MULTI_PROCESS_TYPES):
-        problems.append(f"distributed_type: {distributed} in the config file")
+        problems.append(f"distributed_type: {distributed} in the config file" + (f" {path}" if path else ""))
     if problems:
-        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {', '.join(problems)} would shard the model, "
-                         f"but RoundPipe replaces DeepSpeed, FSDP and Megatron-LM. {ONE_PROCESS_PER_MACHINE}")
+        raise SettingError(f"--roundpipe with {', '.join(problems)} would shard the model, but RoundPipe replaces "
+                           f"DeepSpeed, FSDP and Megatron-LM. {ONE_PROCESS_PER_MACHINE}", "given")
     num_processes = args.num_processes if args.num_processes is not None else int(config.get("num_processes", 1))
     num_machines = args.num_machines if args.num_machines is not None else int(config.get("num_machines", 1))
     per_machine = num_processes / max(num_machines, 1)
@@ -145,10 +170,10 @@ def _check_launch_layout(args, config: dict, environ: dict[str, str] | None = No
     if per_machine > 1 and not cpu_workers_only:
         # Every process launched on a machine reads the same ROUNDPIPE_DEVICES (unset: every visible GPU).
         claimed = f"ROUNDPIPE_DEVICES={devices}" if devices else "every visible GPU (ROUNDPIPE_DEVICES unset)"
-        raise SystemExit(f"accelerate-roundpipe launch --roundpipe: {num_processes} process(es) on {num_machines} "
-                         f"machine(s) start {per_machine:g} per machine, each driving {claimed}: that is one process "
-                         f"per GPU. {ONE_PROCESS_PER_MACHINE} (Several processes on one machine are accepted only "
-                         f"with CPU workers, ROUNDPIPE_DEVICES=cpu,...)")
+        raise SettingError(f"--roundpipe with {num_processes} process(es) on {num_machines} machine(s) start "
+                           f"{per_machine:g} per machine, each driving {claimed}: that is one process per GPU. "
+                           f"{ONE_PROCESS_PER_MACHINE} (Several processes on one machine are accepted only with CPU "
+                           f"workers, ROUNDPIPE_DEVICES=cpu,...)", "given")
 
 
 def simulate_command(argv: list[str]) -> None:
@@ -191,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"accelerate-roundpipe: unknown command {argv[0]!r}{hint}; the commands are "
               f"{', '.join(COMMANDS)}.\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
-    COMMANDS[argv[0]][0](argv[1:])
+    # A setting refused, in any subcommand: one `accelerate-roundpipe CMD: error: ...` line, exit status 2.
+    with settings_refused_as(f"accelerate-roundpipe {argv[0]}"):
+        COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from ..config import ENV_PREFIX, RoundPipeConfig
+from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError
 
 SECTION = "roundpipe"
 ENABLED_KEY = "enabled"
@@ -57,17 +57,27 @@ def write_config(config: dict[str, Any], path: str) -> None:
             yaml.safe_dump(config, f, sort_keys=False)
 
 
-def split_section(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the accelerate config without the section, the section or None)."""
+def _the_section(path: str | None) -> str:
+    return f"the `{SECTION}:` section" + (f" of {path}" if path else " of the accelerate config")
+
+
+def split_section(config: dict[str, Any], path: str | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the accelerate config without the section, the section or None); `path`: the file it was read from."""
     rest = {k: v for k, v in config.items() if k != SECTION}
     section = config.get(SECTION)
     if section is not None and not isinstance(section, dict):
-        raise ValueError(f"the `{SECTION}:` section of the accelerate config must be a mapping of settings, e.g. "
-                         f"`{SECTION}: {{devices: 'cuda:0,cuda:1', num_microbatches: 8}}`; got {section!r}.")
+        raise SettingError(f"{_the_section(path)} must be a mapping of settings, e.g. `{SECTION}: {{devices: "
+                           f"'cuda:0,cuda:1', num_microbatches: 8}}`; got {section!r}.", "given")
     return rest, section
 
 
-def section_variables(section: dict[str, Any]) -> dict[str, str]:
+def section_sources(path: str | None) -> dict[str, Given]:
+    """Each setting of a section read from `path` as a refusal names it: "`num_microbatches: zero` in the
+    `roundpipe:` section of c.yaml"."""
+    return {name: Given(f"`{name}: {{value}}`", f" in {_the_section(path)}") for name in setting_names()}
+
+
+def section_variables(section: dict[str, Any], path: str | None = None) -> dict[str, str]:
     """The `ROUNDPIPE_*` variables a section sets (the `enabled` switch excluded); unknown keys are errors."""
     names = setting_names()
     out = {}
@@ -77,8 +87,8 @@ def section_variables(section: dict[str, Any]) -> dict[str, str]:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
-            raise ValueError(f"unknown key `{key}` in the `{SECTION}:` section{hint}; known keys: "
-                             f"{', '.join([ENABLED_KEY, *names])}.")
+            raise SettingError(f"unknown key `{key}` in {_the_section(path)}{hint}; known keys: "
+                               f"{', '.join([ENABLED_KEY, *names])}.", "given")
         if isinstance(value, bool):
             value = "true" if value else "false"
         elif isinstance(value, (list, tuple)):

@@ -16,6 +16,9 @@ import runpy
 import sys
 
 from .install import installed
+from .refusals import refuse, settings_refused_as
+
+PROG = "python -m accelerate_roundpipe.run"
 
 USAGE = """usage: python -m accelerate_roundpipe.run (script.py | -m module) [script arguments ...]
 
@@ -26,19 +29,24 @@ ROUNDPIPE_ASYNC_OPTIMIZER=true); Trainer scripts also take --roundpipe_* flags."
 
 
 def run_script(target: list[str]) -> None:
-    """Run `script.py ARGS` or `-m module ARGS` as `__main__`, with RoundPipe installed for its duration."""
-    if not target or target[0] in ("-h", "--help"):
+    """Run `script.py ARGS` or `-m module ARGS` as `__main__`, with RoundPipe installed for its duration. A bad
+    RoundPipe setting raises `SettingError` (a ValueError) before the script's first line, or from the script where
+    it builds its settings (its `TrainingArguments`); a bad command line exits with status 2."""
+    if target and target[0] in ("-h", "--help"):
         print(USAGE)
         return
+    if not target:
+        print(USAGE.split("\n\n")[0], file=sys.stderr)  # the usage line, as argparse prints it before the error
+        raise refuse(PROG, "a script (or -m module) to run is required.")
     if target[0] in ("-m", "--module"):
         if len(target) < 2:
-            raise SystemExit(f"-m needs a module name.\n\n{USAGE}")
+            raise refuse(PROG, "-m needs a module name.")
         module, script_args = target[1], target[2:]
         path = None
     else:
         path, script_args = target[0], target[1:]
         if not os.path.isfile(path):
-            raise SystemExit(f"no such script: {path!r}.\n\n{USAGE}")
+            raise refuse(PROG, f"no such script: {path!r}.")
     saved_argv, saved_path = sys.argv, list(sys.path)
     try:
         with installed():
@@ -54,4 +62,7 @@ def run_script(target: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_script(sys.argv[1:] if argv is None else argv)
+    """The command line: a refused RoundPipe setting, given to the launcher or to the script (its --roundpipe_*
+    flags), is one `python -m accelerate_roundpipe.run: error: ...` line and exit status 2."""
+    with settings_refused_as(PROG):
+        run_script(sys.argv[1:] if argv is None else argv)

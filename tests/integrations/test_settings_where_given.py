@@ -49,8 +49,9 @@ def test_parsed_training_arguments_refuse_cuda_devices_without_cuda(tmp_path):
 @pytest.mark.parametrize("name,bad", [("wait_timeout_s", float("nan")), ("peak_tflops", -1.0), ("head_shards", "0"),
                                       ("gpu_memory_budget", "-2GiB"), ("num_microbatches", 0)])
 def test_training_arguments_refuse_numbers_out_of_range(tmp_path, name, bad):
-    with pytest.raises(ValueError, match=rf"roundpipe_{name}=.*{name} \(--roundpipe_{name}, env "
-                                         rf"ROUNDPIPE_{name.upper()}\) must be"):
+    with pytest.raises(ValueError, match=rf"roundpipe_{name}=.* \(a RoundPipeTrainingArguments field, "
+                                         rf"--roundpipe_{name}\): {name} must be") as refused:
         _args(tmp_path, **{f"roundpipe_{name}": bad})
+    assert "ROUNDPIPE_" not in str(refused.value)  # the field was given, not the variable
     with pytest.raises(ValueError, match=rf"{name} \(--roundpipe_{name}, env ROUNDPIPE_{name.upper()}\) must be"):
         RoundPipePlugin(**{name: bad})

@@ -50,18 +50,21 @@ def _launch(argv: list[str], env: dict[str, str]) -> list:
 @needs_no_cuda
 def test_launch_refuses_cuda_devices_before_launching(tmp_path):
     script, _ = _marker_script(tmp_path)
-    with pytest.raises(ValueError, match="ROUNDPIPE_DEVICES.*names CUDA devices"):
+    with pytest.raises(SystemExit, match="ROUNDPIPE_DEVICES.*names CUDA devices") as refused:
         _launch(["--roundpipe", script], {"ROUNDPIPE_DEVICES": "cuda:0"})
+    assert refused.value.code == 2
     config = str(tmp_path / "c.yaml")
     config_file.write_config({**config_file.base_accelerate_config(use_cpu=True),
                               "roundpipe": {"enabled": True, "devices": "cuda:0"}}, config)
-    with pytest.raises(ValueError, match="ROUNDPIPE_DEVICES.*names CUDA devices"):
+    with pytest.raises(SystemExit, match=f"`devices: cuda:0` in the `roundpipe:` section of {config} names CUDA "
+                                         f"devices") as refused:
         _launch(["--config_file", config, script], {})
+    assert refused.value.code == 2
 
 
 def test_launch_refuses_a_timeout_that_cannot_work(tmp_path):
     script, _ = _marker_script(tmp_path)
-    with pytest.raises(ValueError, match=r"ROUNDPIPE_WAIT_TIMEOUT_S='nan'.*must be"):
+    with pytest.raises(SystemExit, match=r"ROUNDPIPE_WAIT_TIMEOUT_S='nan'.*must be"):
         _launch(["--roundpipe", script], {"ROUNDPIPE_DEVICES": "cpu", "ROUNDPIPE_WAIT_TIMEOUT_S": "nan"})
     assert len(_launch(["--roundpipe", script], {"ROUNDPIPE_DEVICES": "cpu", "ROUNDPIPE_WAIT_TIMEOUT_S": "30"})) == 1
 
