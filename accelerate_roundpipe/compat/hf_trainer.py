@@ -32,6 +32,7 @@ TRAINER_OVERRIDES: dict[str, tuple[str, ...] | None] = {
     "log": ("logs",),
     "training_step": ("model", "inputs", "num_items_in_batch"),
     "compute_loss": ("model", "inputs", "return_outputs", "num_items_in_batch"),
+    "prediction_step": ("model", "inputs", "prediction_loss_only"),
     "_get_grad_norm": ("model", "grad_norm"),
     "_get_output_dir": ("trial",),
     "_save_checkpoint": ("model", "trial"),

@@ -18,6 +18,11 @@ REPLACED_WITHOUT_SUPER = {
     # Their losses are their own (preference / policy losses), never `Trainer.compute_loss`'s, so there is no
     # num_processes factor for RoundPipeTrainer.compute_loss to take off ([Note: data-parallel loss scaling]).
     ("DPOTrainer", "compute_loss"), ("KTOTrainer", "compute_loss"), ("GRPOTrainer", "compute_loss"),
+    # Their evaluation calls their own `compute_loss`, which needs the logits (token accuracy, entropies, preference
+    # log-probabilities): RoundPipeTrainer.prediction_step's loss-only shortcut ([Note: evaluation loss]) applies
+    # only to `Trainer.compute_loss`, so it would not run under them anyway.
+    ("SFTTrainer", "prediction_step"), ("DPOTrainer", "prediction_step"), ("KTOTrainer", "prediction_step"),
+    ("GRPOTrainer", "prediction_step"),
 }
 
 

@@ -281,6 +281,14 @@ class RoundPipeTrainer(Trainer):
         loss = loss / factor
         return (loss, *result[1:]) if return_outputs else loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """`Trainer.prediction_step`. When only the loss is wanted (`evaluate()` without `compute_metrics`) and the
+        model's own loss is all of it, the pipeline's head computes it and no logits are made: HF's `skip_logits`
+        ([Note: evaluation loss] in `models/causal_lm.py`)."""
+        if prediction_loss_only and self._runs_fused_step(self.roundpipe_engine, inputs):
+            inputs = {**inputs, "skip_logits": True}
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is not None:
             return grad_norm  # from clipping: this step's norm, exact

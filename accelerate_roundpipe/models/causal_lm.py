@@ -220,7 +220,7 @@ class CausalLMRoundPipe(RoundPipe):
     # ------------------------------------------------------------------ the patched model
 
     def _hf_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
-                    num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **kwargs):
+                    num_items_in_batch=None, fused_lm_head=False, shift_labels=None, skip_logits=None, **kwargs):
         batch = self._model_inputs(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                         inputs_embeds=inputs_embeds, **kwargs))
         if fused_lm_head or shift_labels is not None:
@@ -233,6 +233,8 @@ class CausalLMRoundPipe(RoundPipe):
             return _causal_lm_output(loss, None)
         # HF adds the router aux loss of MoE models to the loss (in eval too): carry the router statistics then.
         router_aux = labels is not None and self.split.router_experts is not None
+        if skip_logits and fused and not router_aux and not torch.is_grad_enabled():
+            return _causal_lm_output(self._evaluation_loss(batch, labels, num_items_in_batch), None)
         output = self(*self.split.prepare_inputs(**batch, router_statistics=router_aux))
         logits = output[0] if router_aux else output
         loss = model_loss(loss_function, logits, labels, num_items_in_batch) if labels is not None else None
@@ -240,6 +242,20 @@ class CausalLMRoundPipe(RoundPipe):
             aux = batch_router_aux_loss(output[1], output[2])
             loss = loss + self.split.layers[-1].router_aux_loss_coef * aux.to(loss.device, loss.dtype)
         return _causal_lm_output(loss, logits)
+
+    def _evaluation_loss(self, batch: dict[str, Any], labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """[Note: evaluation loss]
+        `model(**batch, labels=labels, skip_logits=True)` without gradients (HF's name for "the loss only", which
+        the Trainer passes with Liger kernels, and `RoundPipeTrainer.prediction_step` whenever only the loss is
+        wanted): the pipeline's head computes the loss as in training (the fused cross-entropy over token chunks,
+        on the device) and returns it alone, so the logits of the batch (tokens x vocabulary) are never made,
+        downloaded or reduced on the host. The same loss as the logits path (`causal_lm_loss`) to rounding: the sum
+        over the label tokens over `num_items_in_batch`, else over this batch's label count. Models with a router
+        aux loss keep the logits path: its statistics are the whole batch's there ([Note: router statistics])."""
+        if num_items_in_batch is None:
+            num_items_in_batch = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        return self.forward_loss(*self.split.prepare_inputs(labels=labels, num_items_in_batch=num_items_in_batch,
+                                                            **batch))
 
     def _fused_lm_head_output(self, batch: dict[str, Any], labels, shift_labels, num_items_in_batch):
         """What TRL's fused LM head returns for `model(**batch, labels=labels, fused_lm_head=True)`, computed by the
