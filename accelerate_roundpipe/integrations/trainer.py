@@ -102,10 +102,10 @@ def check_batch_against_microbatches(args, plugin) -> None:
     ([Note: short batches]): say so before training starts, not at the second step."""
     requested, rows = plugin.num_microbatches, args.per_device_train_batch_size
     if requested is not None and rows < requested:
-        raise ValueError(f"per_device_train_batch_size={rows} is smaller than num_microbatches={requested} "
-                         f"(--roundpipe_num_microbatches, env ROUNDPIPE_NUM_MICROBATCHES): every micro-batch needs a "
-                         f"row of the batch. Set num_microbatches to at most {rows}, or per_device_train_batch_size "
-                         f"to at least {requested}.")
+        raise ValueError(f"per_device_train_batch_size={rows} is smaller than the micro-batch count, "
+                         f"{plugin.setting_as_given('num_microbatches')}: every micro-batch needs a row of the batch. "
+                         f"Set num_microbatches to at most {rows} there, or per_device_train_batch_size to at least "
+                         f"{requested}.")
 
 
 WRONG_TRAINER_OPTIMIZER = (
