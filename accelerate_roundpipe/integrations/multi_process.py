@@ -288,18 +288,18 @@ def written_by_another_world_size(directory: str, filename: str, rank: int,
 # [Note: tagged agreements]
 # The ranks agree before and after each multi-process save (`staged_checkpoint.together`, the accelerator's
 # `save_state`). An agreement that were a bare collective (a MIN all-reduce of a flag) could not tell a peer that is
-# late from a peer that is somewhere else: under `if accelerator.is_main_process: accelerator.save_state(d)` rank 0
-# sat in the all-reduce while rank 1 sat in `wait_for_everyone()`'s barrier, two collectives gloo never matches,
-# until both timed out (`wait_timeout_s`, 600 s) and rank 0 blamed a "failed" peer, its half-written checkpoint
-# left behind. So each rank first writes what it is doing (its `when`, and whether it succeeded) into the default
-# group's store under the agreement's number, then joins a barrier, then reads every rank's entry. The barrier
-# completes against any barrier of the peer's, its own or the user's, at once; an entry is written before its rank
-# enters the barrier, so after it a missing or different entry is final: that rank is elsewhere, and every rank
-# that sees it raises `RanksApartError` at once, naming where each rank was. (The peer that was in a barrier of its
-# own is let through it and goes on; this rank's error says so.) Every rank joins the same agreements in the same
-# order, so a per-process count numbers them alike on every rank; each rank deletes its entry of the agreement
-# before once the next one's barrier shows everyone read it. A rank that died or stalled makes the barrier fail
-# within `wait_timeout_s` instead ([Note: collective timeouts]).
+# late from a peer that is somewhere else: under `if accelerator.is_main_process: accelerator.save_state(d)` rank 0 sat
+# in the all-reduce while rank 1 sat in `wait_for_everyone()`'s barrier, two collectives gloo never matches, until both
+# timed out (`wait_timeout_s`, 600 s) and rank 0 blamed a "failed" peer, its half-written checkpoint left behind. So
+# each rank first writes what it is doing (its `when`, and whether it succeeded) into the default group's store under
+# the agreement's number (and reads it back: the write is then in the store), then joins a barrier, then reads every
+# rank's entry. The barrier completes against any barrier of the peer's, its own or the user's, at once; an entry is
+# written before its rank enters the barrier, so after it a missing or different entry is final: that rank is elsewhere,
+# and every rank that sees it raises `RanksApartError` at once, naming where each rank was. (The peer that was in a
+# barrier of its own is let through it and goes on; this rank's error says so.) Every rank joins the same agreements in
+# the same order, so a per-process count numbers them alike on every rank; each rank deletes its entry of the agreement
+# before once the next one's barrier shows everyone read it. A rank that died or stalled makes the barrier fail within
+# `wait_timeout_s` instead ([Note: collective timeouts]).
 _AGREEMENT_KEY = "roundpipe/agreement/{number}/{rank}"
 _agreements_joined = itertools.count()
 
@@ -340,7 +340,11 @@ class RankAgreement:
         number = next(_agreements_joined)
         with named_collective(f"the ranks' agreement {when}".rstrip(), self.timeout_s):
             store = default_group_store()
-            store.set(_AGREEMENT_KEY.format(number=number, rank=rank), json.dumps([bool(ok), when]))
+            mine = _AGREEMENT_KEY.format(number=number, rank=rank)
+            store.set(mine, json.dumps([bool(ok), when]))
+            # TCPStore's `set` does not wait for the server: the barrier (over gloo's own connections) could end
+            # before the server took it. A `get` on the same connection is answered only after the `set` was.
+            store.get(mine)
             dist.barrier()
             keys = [_AGREEMENT_KEY.format(number=number, rank=r) for r in range(world_size)]
             entries = [_read_entry(store, key) for key in keys]

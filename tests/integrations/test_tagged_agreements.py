@@ -1,11 +1,13 @@
 """[Note: tagged agreements] with two ranks (two processes, a real gloo group whose timeout is 20 s): a rank at
 another point than its peer, in a barrier of its own or at another agreement, makes the agreement raise at once,
-naming where each rank was; ranks at the same point agree as before (a failing rank says so)."""
+naming where each rank was; ranks at the same point agree as before (a failing rank says so), over a file store and,
+many times in a row, over a TCP store."""
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing
+import socket
 import time
 import traceback
 
@@ -13,14 +15,15 @@ import pytest
 
 GROUP_TIMEOUT_S = 20.0
 AT_ONCE_S = 5.0
+MANY = 500
 
 
-def _rank_main(rank: int, store: str, case: str, results) -> None:
+def _rank_main(rank: int, init_method: str, case: str, results) -> None:
     import torch.distributed as dist
 
     from accelerate_roundpipe.integrations.multi_process import RankAgreement
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     agreement = RankAgreement(timeout_s=GROUP_TIMEOUT_S)
     started = time.monotonic()
@@ -32,6 +35,8 @@ def _rank_main(rank: int, store: str, case: str, results) -> None:
             outcome = agreement.all_ok(True, f"at point {'AB'[rank]}", advice="Do it on both.")
         elif case == "one failed":
             outcome = agreement.all_ok(rank == 0, "at point A")
+        elif case == "many":
+            outcome = sum(agreement.all_ok(True, f"at point {i}") for i in range(MANY))
         else:
             outcome = agreement.all_ok(True, "at point A")
         outcome = [outcome, agreement.all_ok(True, "at point B")] if case == "same" else outcome
@@ -43,11 +48,18 @@ def _rank_main(rank: int, store: str, case: str, results) -> None:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(tmp_path, case: str) -> dict:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_two_ranks(tmp_path, case: str, tcp: bool = False) -> dict:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    store = str(tmp_path / f"store-{case.replace(' ', '-')}")
-    processes = [context.Process(target=_rank_main, args=(r, store, case, results)) for r in range(2)]
+    init_method = f"tcp://127.0.0.1:{_free_port()}" if tcp else \
+        f"file://{tmp_path / ('store-' + case.replace(' ', '-'))}"
+    processes = [context.Process(target=_rank_main, args=(r, init_method, case, results)) for r in range(2)]
     for p in processes:
         p.start()
     for p in processes:
@@ -87,6 +99,13 @@ def test_ranks_at_the_same_point_agree_and_a_failing_rank_says_so(tmp_path):
         {0: ("ok", [True, True]), 1: ("ok", [True, True])}
     assert {rank: r[:2] for rank, r in _run_two_ranks(tmp_path, "one failed").items()} == \
         {0: ("ok", False), 1: ("ok", False)}
+
+
+def test_many_agreements_in_a_row_over_a_tcp_store_all_agree(tmp_path):
+    # TCPStore's `set` does not wait for the server: without reading its entry back, a rank could pass the barrier
+    # before its peer's entry was in the store and see that peer "apart" (about one agreement in a hundred).
+    results = _run_two_ranks(tmp_path, "many", tcp=True)
+    assert {rank: r[:2] for rank, r in results.items()} == {0: ("ok", MANY), 1: ("ok", MANY)}, results
 
 
 def test_the_default_groups_store_is_reached_through_torchs_private_getter(monkeypatch):
