@@ -16,6 +16,8 @@ import logging
 import torch
 from torch import nn
 
+from ..compat.peft_internals import param_wrappers
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,7 +55,34 @@ def apply_fused_kernels(model: nn.Module, kernels: str, devices: list[torch.devi
                              f"'none'.")
         logger.info("Liger-Kernel has no kernels for model type %r; running the model's own layers.", model_type)
         return False
+    wrappers = [module for _, module in param_wrappers(target)]
+    held = [{name: vars(module).get(name) for name in _LIGER_SET} for module in wrappers]
     _apply_liger_kernel_to_instance(model=target, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
+    kept = _keep_peft_wrappers(wrappers, held)
+    if kept:
+        logger.info("Liger-Kernel's fused experts left out of the %d modules PEFT puts LoRA on (the model's own "
+                    "experts run there, with the adapters).", kept)
     logger.info("Applied Liger-Kernel RMSNorm, SwiGLU and RoPE to the %s model.", model_type)
     return True
+
+
+# What Liger's instance patch of a module sets on it (its `_patch_swiglu_module`).
+_LIGER_SET = ("forward", "_get_name")
+
+
+def _keep_peft_wrappers(wrappers: list[nn.Module], held: list[dict]) -> int:
+    """Give PEFT's LoRA wrappers of parameters (MoE experts' `mlp.experts` under LoRA) back what they held before
+    Liger patched them: Liger's experts forward, bound to the wrapper, reads the experts' attributes (`hidden_dim`,
+    the weights) from it and fails, and would run without the adapters if it did not. Returns how many it undid."""
+    undone = 0
+    for module, before in zip(wrappers, held):
+        if all(vars(module).get(name) is value for name, value in before.items()):
+            continue
+        undone += 1
+        for name, value in before.items():
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+    return undone

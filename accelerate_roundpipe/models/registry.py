@@ -40,9 +40,10 @@ GENERIC = FamilySpec(name="generic")
 
 _FAMILIES: dict[str, FamilySpec] = {
     # Each checked against HF in tests/models. They share one load-balancing function (copied between their
-    # modeling files); GPT-OSS's attention sinks and sliding/full alternation need nothing here.
+    # modeling files); GPT-OSS's attention sinks and sliding/full alternation need nothing here. Qwen3.5-MoE's text
+    # model (the causal LM's `model_type`) is checked with LoRA on its experts (tests/models/test_lora_on_experts.py).
     name: FamilySpec(name=name, switch_router_aux_loss=True)
-    for name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe")
+    for name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe", "qwen3_5_moe_text")
 }
 
 

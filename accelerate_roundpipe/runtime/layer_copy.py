@@ -2,6 +2,8 @@
 
 Several workers may run the same layer at once, so nothing ever binds weights into the user's module. Each device
 deep-copies a layer once, without its parameters, and binds the tensors it uploaded into its own copy before use.
+PEFT's LoRA on bare parameters (MoE experts) is bound the same way, per call, on the copy:
+[Note: LoRA on parameters in layer copies] in `compat/peft_internals.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat.peft_internals import make_param_wrappers_stateless
 from .host_store import Binding
 
 
@@ -67,6 +70,7 @@ class LayerCopy:
     def __init__(self, layer: nn.Module, layer_index: int, bindings: list[Binding], device: torch.device) -> None:
         memo = {id(p): None for _, p in layer.named_parameters(remove_duplicate=False)}
         self.module = copy.deepcopy(layer, memo).to(device)
+        make_param_wrappers_stateless(self.module)  # on this copy only, before its state is taken
         self.layer_index = layer_index
         self.kind = type(layer).__name__
         modules = dict(self.module.named_modules(remove_duplicate=False))
