@@ -3,8 +3,9 @@
 [Note: checkpoint files]
 Into a checkpoint (the Trainer's `checkpoint-N/`, accelerate's `save_state` directory) RoundPipe writes, per engine
 (suffix `_<model index>` after the first, in `save_state`) and per rank (`.rank<r>-of-<n>`, several processes only):
-- `roundpipe_engine_state.json`: the RNG seed, pass count, dispatch position and optimizer steps taken, and `files`:
-  which of the two files below were written. It is written last, so it also marks the others complete;
+- `roundpipe_engine_state.json`: the RNG seed, pass counts, dispatch position (and device count), the optimizer
+  steps taken, and `files`: which of the two files below were written. It is written last, so it also marks the
+  others complete;
 - `roundpipe_optimizer_copies.safetensors`: the optimizer copies, when the compute copies are narrower;
 - `roundpipe_lagged_weights.safetensors`: under the lagged step, the weights the next pass computes with.
 With several processes the Trainer and the accelerator also write each rank's optimizer shard,
@@ -12,8 +13,10 @@ With several processes the Trainer and the accelerator also write each rank's op
 On resume every one of them is read whole and checked against the engine before any is loaded. One that is missing
 (listed in the engine state, or the engine state itself beside the others), truncated, unreadable or not of this
 model raises `CheckpointError`, naming the file, the checkpoint and what to do; never a bare `JSONDecodeError` or
-a shape mismatch from deep inside a copy. A checkpoint holding none of them (written without RoundPipe) loads
-without them, as before.
+a shape mismatch from deep inside a copy. What sizes anything is checked before it does: a per-rank name's world
+size (1 to `MAX_WORLD_SIZE`) and rank, a shard's own world size, rank (the one its name says) and layout, the engine
+state's size (`MAX_ENGINE_STATE_BYTES`), nesting and counters ([Note: engine state ranges]). A checkpoint holding
+none of them (written without RoundPipe) loads without them, as before.
 """
 
 from __future__ import annotations
@@ -191,14 +194,15 @@ def _read_engine_state(path: str, num_devices: int) -> dict:
     ([Note: engine state ranges]); the file's size and nesting are bounded before it is parsed."""
     try:
         size = os.path.getsize(path)
-        if size > MAX_ENGINE_STATE_BYTES:
-            raise CheckpointError(path, f"is {size} bytes, but RoundPipe's engine state is a few hundred (at most "
-                                        f"{MAX_ENGINE_STATE_BYTES}): it is not RoundPipe's engine state")
+    except OSError as error:
+        raise CheckpointError(path, f"cannot be read ({error})") from error
+    if size > MAX_ENGINE_STATE_BYTES:
+        raise CheckpointError(path, f"is {size} bytes, but RoundPipe's engine state is a few hundred (at most "
+                                    f"{MAX_ENGINE_STATE_BYTES}): it is not RoundPipe's engine state")
+    try:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        if isinstance(error, CheckpointError):
-            raise
         raise CheckpointError(path, f"cannot be read (truncated or not RoundPipe's JSON: {error})") from error
     except RecursionError as error:  # nested deeper than the parser's stack: RoundPipe's state is one level deep
         raise CheckpointError(path, "is nested too deeply to be read: it is not RoundPipe's engine state") from error
