@@ -439,3 +439,33 @@ def test_a_changed_peft_wrapper_is_refused_with_the_version_to_pin(monkeypatch):
     monkeypatch.setattr(ParamWrapper, "_activate_lora", activate_otherwise)
     with pytest.raises(LibraryChangedError, match=r"peft .*ParamWrapper.*no longer looks up `get_delta_factors`"):
         make_param_wrappers_stateless(copy.deepcopy(model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernels", ["none", "auto"])
+@pytest.mark.parametrize(("model_type", "way"), [("qwen3_moe", "target_modules"), ("gpt_oss", "target_parameters")])
+def test_lora_on_experts_on_cuda(model_type, way, kernels):
+    """On a GPU (float32, no TF32), with and without Liger's kernels: the loss and the adapters' and router's
+    gradients of two micro-batches are plain PEFT's on the GPU."""
+    from accelerate_roundpipe.models.kernels import liger_available
+
+    if kernels == "auto" and not liger_available():
+        pytest.skip("Liger-Kernel is not installed")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = lora_on_experts(model_type, way, aux=True).float()
+    ref = copy.deepcopy(model).cuda()
+    batch = make_batch("left")
+    expected = micro_batched_loss(ref, {k: v.cuda() for k, v in batch.items()}, NUM_MB)
+    expected.backward()
+    engine = wrap_model(model, RoundPipeConfig(devices=["cuda:0"], num_microbatches=NUM_MB, kernels=kernels))
+    try:
+        assert engine.fused_kernels == (kernels == "auto")
+        loss = engine.forward_backward(**batch)
+        engine.synchronize()
+        grads = {name: p.grad.clone() for name, p in trainable(engine).items()}
+    finally:
+        engine.close()
+    assert_close(loss, expected.detach().cpu(), "loss", rtol=1e-5)
+    assert_same_tensors(grads, {name: p.grad.cpu() for name, p in trainable(ref).items()}, "gradient of", rtol=2e-4)
