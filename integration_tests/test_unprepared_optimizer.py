@@ -178,11 +178,24 @@ def test_groups_changed_on_the_users_object_after_prepare_are_refused_at_the_nex
     model, optimizer = accelerator.prepare(model, user_optimizer)
     if change == "add_param_group":
         user_optimizer.add_param_group({"params": head})
-        with pytest.raises(NotImplementedError, match=r"before handing it to RoundPipe.*accelerator\.prepare"):
-            optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     else:
         user_optimizer.load_state_dict(user_optimizer.state_dict())
     first_step_refused(accelerator, model, optimizer, r"parameter groups changed after RoundPipe took it over")
+    # Through the prepared optimizer a group is refused at once, naming where to add it.
+    with pytest.raises(NotImplementedError, match=r"before handing it to RoundPipe.*accelerator\.prepare"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+
+
+def test_a_gradient_that_reached_the_models_parameters_outside_the_engine_is_refused_at_the_step(roundpipe):
+    """A penalty on the weights computed outside the model's forward back-propagates into the parameters the model
+    shows, which the engine never steps: before, it was dropped without a word (plain accelerate steps it)."""
+    accelerator, model = roundpipe()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.train()
+    loss = model(**batches()[0]).loss + 1e-2 * model.lm_head.weight.pow(2).sum()
+    accelerator.backward(loss)
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) .*\(first: `lm_head.weight`\) got a gradient outside"):
+        optimizer.step()
 
 
 def test_a_second_optimizer_for_the_same_model_is_refused_at_its_first_step_instead_of_hanging(roundpipe):

@@ -136,11 +136,16 @@ def test_stateful_layer_is_rejected():
 
 
 def test_unwrapped_optimizer_is_detected():
+    """Its step is refused ([Note: optimizers the engine does not step]); a change of the optimizer copies made
+    without any optimizer is found at the next pass."""
     engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     fb(engine)
     engine.synchronize()
-    optimizer.step()
+    with pytest.raises(RuntimeError, match="wrap_optimizer"):
+        optimizer.step()
+    with torch.no_grad():
+        next(engine.parameters()).add_(1.0)
     with pytest.raises(RuntimeError, match="wrap_optimizer"):
         fb(engine)
     engine.close()

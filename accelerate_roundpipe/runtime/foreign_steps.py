@@ -1,6 +1,6 @@
 """Refusing the optimizer steps that would not train what they hold: a torch optimizer over a RoundPipe model's
 parameters that the engine does not step, a wrapped optimizer whose groups changed after the hand-over, one that a
-later optimizer replaced.
+later optimizer replaced, a step with gradients the engine never sees.
 
 [Note: optimizers the engine does not step]
 An engine trains its trainable parameters through its optimizer copies (`engine.parameters()`): the backward
@@ -26,6 +26,9 @@ the user's object, whose `param_groups` it shares), which its per-bucket stepper
 given, would never step (`GROUPS_CHANGED`); and a second optimizer for the same engine (two optimizers given to
 `prepare`), which replaces the first: the first's steps would queue on a stopped thread, and the next pass wait for
 them for ever (`REPLACED`). The engine steps one optimizer; settings per parameter set are param groups of it.
+It also refuses a step after the compute copies got a gradient (`GRADIENT_OUTSIDE`): a loss term computed from the
+model's parameters outside its forward (a penalty on the weights) back-propagates into them, not into the pipeline,
+and its gradient would be dropped where plain accelerate steps it.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ REPLACED = (
     "in `accelerator.prepare`, or `wrap_optimizer` again) and replaced it; the engine steps one optimizer per model. "
     "Train with one optimizer, putting parameters that need other settings in param groups of it "
     "(`torch.optim.AdamW([{'params': body}, {'params': head, 'lr': 1e-4}])`), and step only that one.")
+GRADIENT_OUTSIDE = (
+    "{count} parameter(s) of the RoundPipe model as it shows them (first: `{name}`) got a gradient outside the "
+    "engine: a loss term computed from `model.parameters()` outside the model's forward (a penalty on the weights?) "
+    "back-propagated into them. RoundPipe steps the gradients its pipeline computed, on its own optimizer copies, so "
+    "this one would be dropped. Drop the term, or express it through the optimizer (`weight_decay` for an L2 "
+    "penalty).")
 
 _lock = threading.Lock()
 _hints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> how to hand it an optimizer
@@ -76,13 +85,18 @@ def groups_of(*group_lists: list[dict]) -> tuple:
                  for groups in group_lists)
 
 
-def check_in_charge(optimizer, groups: bool = False) -> None:
-    """Refuse a call of a wrapped optimizer (`RoundPipeOptimizer`) that a later one replaced; with `groups`, a step
-    after its groups changed."""
+def check_in_charge(optimizer, step: bool = False) -> None:
+    """Refuse a call of a wrapped optimizer (`RoundPipeOptimizer`) that a later one replaced; with `step`, a step
+    after its groups changed or with gradients on the compute copies."""
     if optimizer.replaced:
         raise RuntimeError(REPLACED)
-    if groups and groups_of(optimizer.param_groups, optimizer.inner.param_groups) != optimizer.stepped_groups:
+    if not step:
+        return
+    if groups_of(optimizer.param_groups, optimizer.inner.param_groups) != optimizer.stepped_groups:
         raise RuntimeError(GROUPS_CHANGED)
+    outside = [s.name for b in optimizer.store.trainable_buckets for s in b.slots if s.param.grad is not None]
+    if outside:
+        raise RuntimeError(GRADIENT_OUTSIDE.format(count=len(outside), name=outside[0]))
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             raise ValueError("RoundPipe's optimizer takes no closure: the step runs in the background after the "
                              "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
-        foreign_steps.check_in_charge(self, groups=True)
+        foreign_steps.check_in_charge(self, step=True)
         # [Note: scheduler step count]; first, so that a library check failing in it leaves nothing half-stepped
         mark_stepped_for_scheduler(self.inner)
         self._drop_pending_passes()
