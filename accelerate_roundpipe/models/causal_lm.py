@@ -73,8 +73,8 @@ def _causal_lm_output(loss, logits):
 
 
 def refuse_forward_override(model: nn.Module) -> None:
-    """Refuse a model whose class overrides its transformers class's `forward` ([Note: the model's own loss
-    function])."""
+    """Refuse a model whose class overrides its transformers class's `forward`
+    ([Note: the model's own loss function])."""
     override = forward_override(unwrap_peft(model))
     if override is not None:
         raise UnsupportedModelError(model, (
@@ -149,8 +149,8 @@ class CausalLMRoundPipe(RoundPipe):
         return super().forward_backward(*inputs, loss_reduction="sum", grad_scale=grad_scale, deferred=deferred)
 
     def custom_loss_function(self):
-        """The model's own loss function when the pipeline's head does not compute it, else None ([Note: the
-        model's own loss function]); read on every call."""
+        """The model's own loss function when the pipeline's head does not compute it, else None; read on every
+        call ([Note: the model's own loss function])."""
         return own_loss_function(unwrap_peft(self.split.source_model))
 
     def _own_loss_forward_backward(self, loss_function, labels, batch: dict[str, Any], grad_scale: float,

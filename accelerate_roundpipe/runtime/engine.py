@@ -159,9 +159,9 @@ class RoundPipe(HostResidentModule):
         With `deferred=True` the returned loss carries an autograd node: `backward()` reaching it with gradient c
         commits the pass's gradients scaled by c (`grad_scale` is ignored; `expect_grad_scale` sets the c the
         pipeline assumes, exact either way), and a pass never back-propagated is dropped at the next pass,
-        `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit]. Under data parallelism ([Note:
-        data parallel]) each rank passes its share of the global batch; the weights count the global batch, and the
-        loss returned is the global batch's, the same on every rank."""
+        `optimizer.step()` or `zero_grad()`. See [Note: deferred gradient commit]. Under data parallelism
+        ([Note: data parallel]) each rank passes its share of the global batch; the weights count the global batch,
+        and the loss returned is the global batch's, the same on every rank."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         counted_labels = ignore_index if loss_fn is not None else None
