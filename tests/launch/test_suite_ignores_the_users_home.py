@@ -1,7 +1,7 @@
 """The test suite never reads the user's own settings: not the accelerate config that `accelerate-roundpipe config`
 writes to ~/.cache/huggingface/accelerate/roundpipe_config.yaml (the README's way 1), not ROUNDPIPE_* variables the
-user exported. tests/conftest.py and integration_tests/conftest.py point HF_HOME at a directory of their own and
-clear ROUNDPIPE_*, before anything imports accelerate, for every subprocess a test starts too."""
+user exported. The suite's conftest.py (the repository root's) points HF_HOME at a directory of its own and
+clears ROUNDPIPE_*, before anything imports accelerate, for every subprocess a test starts too."""
 
 from __future__ import annotations
 
