@@ -96,19 +96,25 @@ class StageCostModel:
         prefix = self._fwd if kind is F else self._bwd if kind is B else self._fused
         return self._m * (prefix[stop] - prefix[start])
 
-    def time(self, kind: TaskKind, start: int, stop: int) -> float:
-        m, x = self._m, self._boundary
+    def transfer_bytes(self, kind: TaskKind, start: int, stop: int) -> tuple[float, float, float, float]:
+        """The table's transfers of one task, split into what it moves once (weights up, gradients down) and what
+        it moves per micro-batch (activations): (upload per task, upload per micro-batch, download per task,
+        download per micro-batch). A task over m micro-batches moves `per task + m * per micro-batch`."""
+        x = self._boundary
         params = self._params[stop] - self._params[start]
         saved = self._inputs[stop] - self._inputs[start] if self._layer_grain else 0.0
         if kind is F:
-            up, down = params + m * x, m * (x + saved)
-        else:
-            down = self._grads[stop] - self._grads[start] + m * x
-            if kind is B:
-                up = params + m * (x + (saved if self._layer_grain else x))
-            else:
-                up = params + m * x
-        return max(self.compute(kind, start, stop), up / self._bw, down / self._bw)
+            return params, x, 0.0, x + saved
+        grads = self._grads[stop] - self._grads[start]
+        if kind is B:
+            return params, x + (saved if self._layer_grain else x), grads, x
+        return params, x, grads, x
+
+    def time(self, kind: TaskKind, start: int, stop: int) -> float:
+        m = self._m
+        up_task, up_mb, down_task, down_mb = self.transfer_bytes(kind, start, stop)
+        return max(self.compute(kind, start, stop), (up_task + m * up_mb) / self._bw,
+                   (down_task + m * down_mb) / self._bw)
 
     def memory_parts(self, kind: TaskKind, start: int, stop: int) -> dict[str, float]:
         """The stage's memory by part (`MEMORY_PARTS`), for error messages."""

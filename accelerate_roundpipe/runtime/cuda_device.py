@@ -99,6 +99,9 @@ class CudaDevice(Device):
     def timer(self) -> KernelTimer:
         return KernelTimer(self.compute_stream)
 
+    def upload_timer(self) -> KernelTimer:
+        return KernelTimer(self.param_in)
+
     def reset_peak_memory(self) -> None:
         # The allocator's peak counter, reset here, gives a layer's transient peak (only while profiling: a user
         # reading max_memory_allocated afterwards sees the peak since the measured pass).

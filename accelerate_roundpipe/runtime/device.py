@@ -181,6 +181,10 @@ class Device(abc.ABC):
         """A timer of the work queued from now to its `stop()` (`elapsed_s()` waits for it)."""
         return WallTimer()
 
+    def upload_timer(self):
+        """A timer of the weight uploads queued from now to its `stop()` (the profiler's upload rate)."""
+        return WallTimer()
+
     def reset_peak_memory(self) -> None:  # noqa: B027 - nothing to reset on a device that counts no memory
         """Start a new peak of allocated memory (devices that `tracks_memory`)."""
 

@@ -1,4 +1,5 @@
-"""Per-layer costs measured on a training pass, for the planner (`plan/planner.py`, `plan/one_device.py`).
+"""Per-layer costs and the weight uploads' rate measured on a training pass, for the planner (`plan/planner.py`,
+`plan/one_device.py`, `plan/microbatch_choice.py`).
 
 While a pass is profiled, the workers time every layer run with their device's `timer()` (on a GPU, CUDA events on
 the compute stream, read after the pass, so nothing waits on the GPU; wall time on CPU workers), and on a device that
@@ -6,7 +7,10 @@ the compute stream, read after the pass, so nothing waits on the GPU; wall time 
 backward (host-side counters, no device sync): a forward's growth is the activation memory the layer keeps for its
 backward (`act_bytes`); the peak above that, in the forward or in the backward, is its working set (`work_bytes`).
 Forwards without a graph give `forward_s`, forwards with a graph `recompute_s`, the per-layer backward segments
-`backward_s`.
+`backward_s`. The residency times every batch of weight uploads it issues (`measure_upload`: on a GPU, CUDA events
+on the parameter-upload stream around the copies, so a copy queued behind another is timed from when it runs), and
+`upload_bytes_per_s` is the rate of the slowest device's uploads over the pass: the link the planner's transfer
+times and the transfer verdict use ([Note: transfers sized to the batch]).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class LayerProfile:
         self._act_bytes: dict[int, int] = defaultdict(int)
         self._input_bytes: dict[int, int] = defaultdict(int)
         self._work_bytes: dict[int, int] = defaultdict(int)
+        self._uploads: dict[int, list] = defaultdict(list)  # device index -> (bytes, timer) per batch of uploads
 
     @contextmanager
     def measure(self, run: LayerRun, layer: int, device, inputs: tuple = ()) -> Iterator[None]:
@@ -64,6 +69,26 @@ class LayerProfile:
             self._work_bytes[layer] = max(self._work_bytes[layer], work)
             if inputs:
                 self._input_bytes[layer] = max(self._input_bytes[layer], size)
+
+    @contextmanager
+    def measure_upload(self, device, num_bytes: int) -> Iterator[None]:
+        """Time the weight uploads of `num_bytes` host bytes queued inside (on `device`'s upload stream)."""
+        timer = device.upload_timer()
+        yield
+        timer.stop()
+        with self._lock:
+            self._uploads[device.index].append((num_bytes, timer))
+
+    def upload_bytes_per_s(self) -> float | None:
+        """Host-to-device bytes per second of the device whose uploads ran slowest (waits for their events); None
+        when nothing was timed (no uploads, or a device whose copies take no measurable time)."""
+        rates = []
+        for uploads in self._uploads.values():
+            num_bytes = sum(n for n, _ in uploads)
+            seconds = sum(t.elapsed_s() for _, t in uploads)
+            if num_bytes > 0 and seconds > 0:
+                rates.append(num_bytes / seconds)
+        return min(rates) if rates else None
 
     def _mean(self, run: LayerRun, layer: int) -> float | None:
         timers = self._timers.get((run, layer))

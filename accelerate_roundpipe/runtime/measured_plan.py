@@ -6,7 +6,12 @@ measured pass has finished (its CUDA events are read then, once), the partition 
 one device takes `plan_one_device` (no recomputation where memory allows, and, when `num_microbatches` is unset, the
 fewest micro-batches for which the whole model fits), several take `plan_from_costs` (the slowest stage as fast as
 memory allows). The planner works with `PLAN_SHARE` of the budget (the CUDA context, allocator slack and transfers
-in flight take the rest). If no plan fits, the partition that just ran is kept.
+in flight take the rest). Its transfer times use the upload rate measured over that pass's weight uploads
+(`PCIE_BYTES_PER_S`, assumed, only when none could be timed). When `num_microbatches` is unset, the count is then
+weighed against the transfers: that count and the smaller ones are planned and their passes predicted, and the
+shortest is kept ([Note: micro-batches chosen for transfers]). The start summary's `transfers:` line, printed after
+the re-plan, says whether the plan is transfer-bound and which batch would hide its uploads
+([Note: transfers sized to the batch]). If no plan fits, the partition that just ran is kept.
 
 [Note: saved inputs]
 The layer inputs a forward stage keeps for the backward's recomputation stay on the device when the task that reads
@@ -19,17 +24,16 @@ the largest PCIe traffic after the weights; nothing changes in the maths.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from ..config import RoundPipeConfig
 from ..plan.head_split import measured_head_advice
 from ..plan.layer_costs import LayerCosts
-from ..plan.one_device import plan_one_device
+from ..plan.microbatch_choice import TransferPlan, choose_microbatches, fewer_microbatches
 from ..plan.partition import Partition
-from ..plan.planned_partition import PlannedPartition
-from ..plan.planner import plan_from_costs
 from ..plan.stage_cost_model import PlanSettings
+from ..plan.transfer_budget import TransferBudget
+from ..telemetry.summary import announce, transfers_line
 from .device import Device
 from .host_store import HostStore
 from .layer_profile import LayerProfile
@@ -40,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SAVED_INPUT_SHARE = 0.25  # of the memory budget, for saved inputs kept on the device under a static plan
 PLAN_SHARE = 0.8  # of the memory budget, for the stages the planner sizes
-PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure for the planner's transfer times
+PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure, when no upload could be timed
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
@@ -64,6 +68,7 @@ class MeasuredPlan:
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
+        self.transfer_plan: TransferPlan | None = None  # the re-plan's count, stages and transfer verdict
         self._measure_next = self.enabled
         self._measured: tuple[LayerProfile, list, int, int] | None = None
 
@@ -103,15 +108,20 @@ class MeasuredPlan:
         for job in jobs:
             job.done.get(failure)
         self.layer_costs = profile.layer_costs(self.store)
+        rate = profile.upload_bytes_per_s()
+        transfers = TransferBudget(self.layer_costs, rows / num_mb, rate or PCIE_BYTES_PER_S,
+                                   "measured" if rate else "assumed")
         budget = self.budget_bytes
         if budget is None:  # CPU workers: no memory limit to plan against
             budget = float(sum(self.layer_costs.param_bytes) * 4 + sum(self.layer_costs.act_bytes) * num_mb + 1)
         try:
-            planned, chosen = self._plan(self.layer_costs, budget, num_mb, rows)
+            self.transfer_plan = self._plan(transfers, budget, num_mb, rows)
         except ValueError as error:
             logger.warning("RoundPipe kept the partition %s: no plan from the measured costs fits (%s).", current,
                            error)
             return current
+        planned, chosen = self.transfer_plan.planned, self.transfer_plan.num_microbatches
+        announce(transfers_line(self.transfer_plan), self.config.resolved_summary)
         if chosen != num_mb:
             logger.info("RoundPipe runs %d micro-batches per batch from now on (measured plan; set num_microbatches "
                         "to choose).", chosen)
@@ -133,33 +143,37 @@ class MeasuredPlan:
             logger.warning("RoundPipe: %s.", advice)
             self.head_advice = advice
 
-    def _plan(self, costs: LayerCosts, budget: float, num_mb: int, rows: int) -> tuple[PlannedPartition, int]:
-        """The partition (and micro-batch count) for measured `costs` of `num_mb` micro-batches of a `rows`-row batch.
+    def _plan(self, transfers: TransferBudget, budget: float, num_mb: int, rows: int) -> TransferPlan:
+        """The micro-batch count, partition and transfer verdict for the measured pass of `num_mb` micro-batches
+        of a `rows`-row batch (`transfers`: its costs and upload rate).
 
-        One device without an explicit `num_microbatches`: the fewest micro-batches (larger ones keep the GPU busier
-        per kernel and per Python call; an H200 ran Qwen3-1.7B 11% faster with 1 than with 2) for which the whole
-        model fits the fused stage, activation bytes scaled with the micro-batch size; if none does, the measured
-        count with the largest fused stage that fits."""
-        per_round = self.config.microbatches_per_round
+        The count: `num_microbatches` when set; else, on one device, first the fewest micro-batches (larger ones
+        keep the GPU busier per kernel and per Python call; an H200 ran Qwen3-1.7B 11% faster with 1 than with 2)
+        for which the whole model fits the fused stage, activation bytes scaled with the micro-batch size (if none
+        does, the measured count); on several devices the measured count. Then that count and the smaller ones
+        are weighed with their transfers and the fastest predicted pass is kept
+        ([Note: micro-batches chosen for transfers])."""
+        config = self.config
+        num_devices = len(self.devices)
 
-        def settings_for(count: int) -> PlanSettings:
-            return PlanSettings(num_devices=len(self.devices), num_microbatches=min(per_round or count, count),
-                                gpu_memory_bytes=budget * PLAN_SHARE, pcie_bytes_per_s=PCIE_BYTES_PER_S,
-                                recompute=self.config.resolved_recompute)
+        def choose(candidates: list[int]) -> TransferPlan:
+            return choose_microbatches(transfers, rows, num_devices, candidates, budget * PLAN_SHARE,
+                                       config.microbatches_per_round, config.resolved_recompute)
 
-        if len(self.devices) > 1:
-            self._advise_head_split(costs, settings_for(num_mb))
-            return plan_from_costs(costs, settings_for(num_mb)), num_mb
-        if self.config.num_microbatches is None:
-            for count in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
-                scale = num_mb / count  # micro-batch rows relative to the measured pass
-                scaled = dataclasses.replace(costs, act_bytes=[a * scale for a in costs.act_bytes],
-                                             input_bytes=[b * scale for b in costs.input_bytes],
-                                             work_bytes=[w * scale for w in costs.work_bytes])
+        if num_devices > 1:
+            per_task = min(config.microbatches_per_round or num_mb, num_mb)
+            self._advise_head_split(transfers.costs, PlanSettings(
+                num_devices=num_devices, num_microbatches=per_task, gpu_memory_bytes=budget * PLAN_SHARE,
+                pcie_bytes_per_s=transfers.bytes_per_s, recompute=config.resolved_recompute))
+        if config.num_microbatches is not None:
+            return choose([num_mb])
+        count = num_mb
+        if num_devices == 1:
+            for candidate in sorted({c for c in MICROBATCH_CHOICES if c <= rows} | {num_mb}):
                 try:
-                    planned = plan_one_device(scaled, settings_for(count))
+                    if choose([candidate]).planned.partition.forward == ():
+                        count = candidate
+                        break
                 except ValueError:
                     continue
-                if planned.partition.forward == ():
-                    return planned, count
-        return plan_one_device(costs, settings_for(num_mb)), num_mb
+        return choose(fewer_microbatches(count, rows, MICROBATCH_CHOICES))

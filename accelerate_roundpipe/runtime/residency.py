@@ -7,6 +7,8 @@ while the current task computes (`prefetch`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .device import Device
@@ -15,6 +17,8 @@ from .jobs import TaskJob
 from .layer_copy import LayerCopy
 from .payload import NO_SPAN
 from .sync import FailureFlag
+
+NO_TIMING = contextlib.nullcontext()  # uploads of a pass that is not measured
 
 
 class TaskParams:
@@ -32,11 +36,12 @@ class TaskParams:
     the whole bucket, or the rows the task's layers read ([Note: row windows]).
     """
 
-    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "newest")
+    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "newest", "profile")
 
     def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
-                 tickets: list[tuple[int, int]], newest: bool = False) -> None:
+                 tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
         self.flats = flats
+        self.profile = profile  # the pass's LayerProfile while it is measured: its uploads are timed
         self.windows = windows
         self.newest = newest  # an evaluation pass reads the newest weights ([Note: looking changes nothing])
         self.tickets = list(tickets)
@@ -76,7 +81,8 @@ class ParamResidency:
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
         flats = self.device.empty_params([self.store.buckets[b].compute[slice(*windows[b])] for b in indices])
-        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.plan.reads_newest)
+        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.plan.reads_newest,
+                          profile=job.results.profile)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -100,9 +106,12 @@ class ParamResidency:
                 batch.append((bucket_index, epoch))
             if not batch:
                 return
-            events = self.device.upload_params_into(
-                [params.flats[b] for b, _ in batch],
-                [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch])
+            hosts = [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch]
+            crossing = sum(h.numel() * h.element_size() for h in hosts if h.device.type == "cpu")
+            timed = params.profile.measure_upload(self.device, crossing) \
+                if params.profile is not None and crossing else NO_TIMING
+            with timed:
+                events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts)
             params.mark_issued(batch, events)
             if not need_more:
                 return

@@ -1,5 +1,6 @@
 """The engine's start summary: one block on stderr, when the first pass starts, saying that RoundPipe is on and how
-it will run (devices, plan, micro-batches, recompute, optimizer, clipping, host memory, trace).
+it will run (devices, plan, micro-batches, recompute, optimizer, clipping, host memory, trace); with the measured
+plan, one `transfers:` line follows the re-plan (`transfers_line`).
 
 Printed to stderr rather than logged: Hugging Face scripts leave Python logging at WARNING (transformers' own
 verbosity is "warning" by default, and `run_clm`-style scripts configure the root logger without lowering it), so an
@@ -39,6 +40,14 @@ def _microbatches(config, num_devices: int) -> str:
         else "all in one round"
     )
     return f"{count}, {rounds}"
+
+
+def transfers_line(transfer_plan) -> str:
+    """The summary's `transfers:` line, printed after the measured plan's re-plan (the first pass measured what
+    it says): whether the plan is transfer-bound, and which batch would hide its uploads
+    ([Note: transfers sized to the batch] in `plan/transfer_budget.py`; `transfer_plan` is a
+    `plan.microbatch_choice.TransferPlan`)."""
+    return f"  transfers: {transfer_plan.summary()}"
 
 
 def _optimizer(engine) -> str:
