@@ -126,3 +126,20 @@ def test_the_measured_pass_times_every_weight_upload_and_the_summary_says_so(cap
     assert f"{PREFIX}  transfers: {transfer.summary()}" in err.splitlines()
     assert f"{PREFIX}  transfers: uploads hide under compute at " in err
     engine.close()
+
+
+def test_buckets_whose_optimizer_state_is_on_the_device_cross_nothing():
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], plan="measured", optimizer_placement="device"))
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.1))
+    store = engine.host_store
+    assert all(b.home is not None for b in store.buckets)  # every bucket placed on the CPU worker
+    for k in range(2):
+        x, mask, y = batch(rows=8, seed=k)
+        engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        optimizer.step()
+        optimizer.zero_grad()
+    costs = engine.layer_costs
+    weights = [store.window_bytes(range(layer, layer + 1)) for layer in range(len(engine.layers))]
+    assert costs.param_bytes == tuple(weights) and sum(weights) > 0  # they take the device's memory
+    assert costs.upload_bytes == (0,) * len(weights) and costs.download_bytes == (0,) * len(weights)
+    engine.close()

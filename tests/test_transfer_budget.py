@@ -164,3 +164,16 @@ def test_bad_arguments_are_refused():
         choose_microbatches(DENSE, 8, 1, [], BUDGET)
     with pytest.raises(ValueError, match="layer 0 alone needs"):  # the planner's own error, naming the knobs
         choose_microbatches(MOE, 8, 1, [1, 2], 1 * GIB)
+
+
+def test_what_crosses_pcie_times_the_transfers_and_the_weights_size_the_memory():
+    """A bucket whose optimizer state lives on the GPU is read and stepped there: its bytes take GPU memory but
+    cross nothing (upload_bytes, download_bytes), so its stage hides whatever the batch."""
+    homed = LayerCosts(forward_s=[1e-3] * 2, backward_s=[2e-3] * 2, param_bytes=[1e9] * 2, grad_bytes=[1e9] * 2,
+                       upload_bytes=[0, 0], download_bytes=[0, 0])
+    on_host = LayerCosts(forward_s=[1e-3] * 2, backward_s=[2e-3] * 2, param_bytes=[1e9] * 2, grad_bytes=[1e9] * 2)
+    assert on_host.upload_bytes == on_host.param_bytes and on_host.download_bytes == on_host.grad_bytes
+    one = [choose_microbatches(TransferBudget(c, 1, RATE), 1, 1, [1], BUDGET) for c in (homed, on_host)]
+    assert one[0].planned.peak_stage_bytes == one[1].planned.peak_stage_bytes  # memory: the weights either way
+    assert not one[0].transfer_bound and one[0].stages[-1].upload_s == 0
+    assert one[1].transfer_bound and one[1].stages[-1].upload_s == pytest.approx(2e9 / RATE)

@@ -27,6 +27,10 @@ class LayerCosts:
         work_bytes: transient memory above what the layer keeps: the peak of its backward (the gradients of its
             activations, temporaries of its kernels) or of its forward beyond `act_bytes`, whichever is larger.
             Default: `act_bytes` (a layer's backward holds gradients of about its activations' size).
+        upload_bytes: what of `param_bytes` crosses PCIe to the GPU per task (a bucket whose optimizer state lives
+            on the GPU is read there: nothing crosses). Default: `param_bytes`.
+        download_bytes: what its gradients put on PCIe per backward task, in the host's gradient dtype (none for
+            a bucket kept on the GPU). Default: `grad_bytes`.
 
     Byte fields default to zeros (a time-only profile). Sequences are stored as tuples, so instances hash.
     """
@@ -39,15 +43,18 @@ class LayerCosts:
     act_bytes: tuple[float, ...] | None = None
     input_bytes: tuple[float, ...] | None = None
     work_bytes: tuple[float, ...] | None = None
+    upload_bytes: tuple[float, ...] | None = None
+    download_bytes: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
-        defaults = {"recompute_s": self.forward_s, "work_bytes": self.act_bytes}
+        # Each default is an earlier field, already normalised when the loop reaches the field it fills.
+        defaults = {"recompute_s": "forward_s", "work_bytes": "act_bytes", "upload_bytes": "param_bytes",
+                    "download_bytes": "grad_bytes"}
         for f in fields(self):
             values = getattr(self, f.name)
             if values is None:
-                values = defaults.get(f.name)
-                values = (0,) * n if values is None else values
+                values = getattr(self, defaults[f.name]) if f.name in defaults else (0,) * n
             values = tuple(values)
             if len(values) != n:
                 raise ValueError(f"LayerCosts.{f.name} has {len(values)} entries; forward_s has {n} (one per layer).")

@@ -116,7 +116,8 @@ class TransferPlan:
         rounds = "one round" if self.microbatches_per_task == self.num_microbatches else \
             f"rounds of {self.microbatches_per_task}"
         plural = "es" if self.num_microbatches > 1 else ""
-        at = (f"{self.num_microbatches} micro-batch{plural} of {self.rows_per_microbatch:g} rows ({rounds}), "
+        row_s = "" if self.rows_per_microbatch == 1 else "s"
+        at = (f"{self.num_microbatches} micro-batch{plural} of {self.rows_per_microbatch:g} row{row_s} ({rounds}), "
               f"uploads at {format_rate(self.budget.bytes_per_s)} ({self.budget.rate_source})")
         worst = max(self.stages, key=lambda s: (s.exposed_s, max(s.upload_s, s.download_s) / (s.compute_s or 1e-30)))
         moved = f"{worst.name} ({worst.span}) moves its weights in {_ms(worst.upload_s)}, its gradients in " \
@@ -139,8 +140,8 @@ class TransferPlan:
                  + ", ".join(f"{c}: {_ms(s)}" + (" <- chosen" if c == self.num_microbatches else "")
                              for c, s in self.predicted_s),
                  f"{'stage':<6} {'layers':<10} {'compute':>11} {'upload':>11} {'download':>11} "
-                 f"{'rows to hide':>12}  weights"]
-        weights = self.budget.costs.param_bytes
+                 f"{'rows to hide':>12}  weights up"]
+        weights = self.budget.costs.upload_bytes
         for s in self.stages:
             lines.append(f"{s.name:<6} {str(s.span):<10} {_ms(s.compute_s):>11} {_ms(s.upload_s):>11} "
                          f"{_ms(s.download_s):>11} {s.rows_to_hide:>12.1f}  "

@@ -1,6 +1,7 @@
 """The time and GPU memory of any stage, from the measured layer costs and the settings a plan is made for.
 
-One task = one stage over the m micro-batches of a round; P, G = parameter and gradient bytes of the stage's layers,
+One task = one stage over the m micro-batches of a round; P, G = parameter and gradient bytes of the stage's layers
+(for the transfers, what of them crosses PCIe: `upload_bytes`, `download_bytes`),
 X = the largest layer input, i.e. one micro-batch's activation crossing PCIe, bw = PCIe bytes/s per direction; PCIe
 is full duplex, so upload and download are timed apart and overlap the compute:
 
@@ -86,6 +87,8 @@ class StageCostModel:
         self._fused = prefix(f + b for f, b in zip(costs.forward_s, costs.backward_s))
         self._params = prefix(costs.param_bytes)
         self._grads = prefix(costs.grad_bytes)
+        self._uploads = prefix(costs.upload_bytes)
+        self._downloads = prefix(costs.download_bytes)
         self._acts = prefix(costs.act_bytes)
         self._inputs = prefix(costs.input_bytes)
         self._act = [float(a) for a in costs.act_bytes]
@@ -101,11 +104,11 @@ class StageCostModel:
         it moves per micro-batch (activations): (upload per task, upload per micro-batch, download per task,
         download per micro-batch). A task over m micro-batches moves `per task + m * per micro-batch`."""
         x = self._boundary
-        params = self._params[stop] - self._params[start]
+        params = self._uploads[stop] - self._uploads[start]
         saved = self._inputs[stop] - self._inputs[start] if self._layer_grain else 0.0
         if kind is F:
             return params, x, 0.0, x + saved
-        grads = self._grads[stop] - self._grads[start]
+        grads = self._downloads[stop] - self._downloads[start]
         if kind is B:
             return params, x + (saved if self._layer_grain else x), grads, x
         return params, x, grads, x

@@ -56,7 +56,7 @@ class LayerTransfer:
     """One layer's bytes against its compute: what it uploads and downloads per task, its compute per row."""
 
     layer: int
-    upload_bytes: float  # its weights, host to GPU, once per task that runs it
+    upload_bytes: float  # its weights, host to GPU, once per task that runs it (what crosses PCIe)
     download_bytes: float  # its gradients, GPU to host, once per backward or fused task
     forward_s_per_row: float
     recompute_s_per_row: float
@@ -114,8 +114,8 @@ class TransferBudget:
     @property
     def layers(self) -> tuple[LayerTransfer, ...]:
         row = self.costs_at(1.0)
-        return tuple(LayerTransfer(i, row.param_bytes[i], row.grad_bytes[i], row.forward_s[i], row.recompute_s[i],
-                                   row.backward_s[i], row.param_bytes[i] / self.bytes_per_s)
+        return tuple(LayerTransfer(i, row.upload_bytes[i], row.download_bytes[i], row.forward_s[i],
+                                   row.recompute_s[i], row.backward_s[i], row.upload_bytes[i] / self.bytes_per_s)
                      for i in range(row.num_layers))
 
     def __str__(self) -> str:

@@ -103,11 +103,34 @@ class LayerProfile:
             forward.append(without if without is not None else with_graph or 0.0)
             recompute.append(with_graph if with_graph is not None else forward[-1])
             backward.append(self._mean(LayerRun.BACKWARD, layer) or 2 * forward[-1])
-        params, grads = [], []
+        params, grads, uploads, downloads = [], [], [], []
         for layer in range(self.num_layers):  # what its tasks move: its row windows only ([Note: row windows])
             params.append(store.window_bytes(range(layer, layer + 1)))
             grads.append(store.window_bytes(range(layer, layer + 1), trainable_only=True))
+            up, down = _crossing_bytes(store, layer)
+            uploads.append(up)
+            downloads.append(down)
         return LayerCosts(forward_s=forward, backward_s=backward, recompute_s=recompute, param_bytes=params,
                           grad_bytes=grads, act_bytes=[self._act_bytes[i] for i in range(self.num_layers)],
                           input_bytes=[self._input_bytes[i] for i in range(self.num_layers)],
-                          work_bytes=[max(self._work_bytes[i], self._act_bytes[i]) for i in range(self.num_layers)])
+                          work_bytes=[max(self._work_bytes[i], self._act_bytes[i]) for i in range(self.num_layers)],
+                          upload_bytes=uploads, download_bytes=downloads)
+
+
+def _crossing_bytes(store: HostStore, layer: int) -> tuple[int, int]:
+    """What a task running `layer` puts on PCIe: its buckets' compute-copy windows up, and the trainable ones'
+    gradients down in the host's gradient dtype (the optimizer copy's), for the buckets whose optimizer state is on
+    the host. A bucket with a home device is read and stepped there ([Note: optimizer placement]): after its first
+    step nothing of it crosses (the measured pass itself, before any step, still uploads it)."""
+    up = down = 0
+    layers = range(layer, layer + 1)
+    for index in store.buckets_of_layers(layers):
+        bucket = store.buckets[index]
+        if bucket.home is not None:
+            continue
+        start, stop = store.window(layers, index)
+        up += (stop - start) * bucket.compute.element_size()
+        if bucket.trainable:
+            grad_dtype = bucket.optim if bucket.optim is not None else bucket.compute
+            down += (stop - start) * grad_dtype.element_size()
+    return up, down
