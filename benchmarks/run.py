@@ -22,6 +22,7 @@ import gc
 import importlib.metadata
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipeConfig  # noqa: E402
 from benchmarks.commit import git_commit  # noqa: E402
 from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa: E402
-from benchmarks.memory import is_oom, memory_cap  # noqa: E402
+from benchmarks.memory import host_peak_gib, is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
 from benchmarks.runners import RUNNERS  # noqa: E402
 from benchmarks.runners.common import config_values  # noqa: E402
-from benchmarks.workloads import WORKLOADS, is_sweep  # noqa: E402
+from benchmarks.workloads import WORKLOADS, is_sweep, lora_targets  # noqa: E402
 
 LOOP_LOGGING_STEPS = 1  # the engine and Accelerate loops read the loss every step (see runners/__init__.py)
 # RoundPipeConfig fields a flag of their own sets; `--roundpipe` takes every other field.
@@ -67,6 +68,19 @@ def system_name(system: str, async_optimizer: bool, max_grad_norm: float, placem
     return name if placement == "host" else f"{name}-placement-{placement}"
 
 
+def model_settings(model: torch.nn.Module, lora_arch: str | None) -> dict:
+    """What the built model is: its parameter counts, attention and experts implementations and, under LoRA, the
+    targets PEFT was given (on a mixture of experts they reach the experts' fused parameters)."""
+    config = model.config
+    out = {"params": sum(p.numel() for p in model.parameters()),
+           "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "attn_implementation": config._attn_implementation,
+           "experts_implementation": getattr(config, "_experts_implementation", None)}
+    if lora_arch is not None:
+        out["lora_targets"] = lora_targets(lora_arch)
+    return out
+
+
 def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
             peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0) -> dict:
     w = WORKLOADS[workload]
@@ -89,7 +103,11 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
 
         settings["transformers"] = transformers.__version__
         torch.manual_seed(0)  # the same initial weights in every run: variants' losses compare step by step
+        started = time.perf_counter()
         model = build_model(w.arch, seq, w.lora)
+        # the build's own time and host peak (the run's peaks are measured from the wrap on)
+        settings.update(model_settings(model, w.arch if w.lora else None),
+                        build_s=round(time.perf_counter() - started, 1), build_host_peak_gib=host_peak_gib())
         batch = make_batch(w.shape.vocab_size, w.global_batch, seq)
         extra = {"logging_steps": logging_steps, "max_grad_norm": max_grad_norm} if trainer else {}
         result = RUNNERS[system](model, config, batch, warm, iters, lr, **extra)

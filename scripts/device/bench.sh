@@ -21,6 +21,7 @@ LOG=$OUT/bench.log
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup"
+WORKLOADS+=" moe-cap24 gpt-oss-cap24 dense-32b-cap24"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -205,6 +206,13 @@ run_ours() {
   trainer-1.7b)  # Qwen3-1.7B s4096 b8, RoundPipeTrainer at its defaults (exact, clip 1.0, logging 10)
     ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
       --roundpipe optimizer_placement=auto ;;
+  moe-cap24)  # Qwen3-30B-A3B LoRA r16 on q,k,v,o,gate,up,down (PEFT puts gate/up/down on the fused experts) on a
+    # 24 GiB card, built with the cap lifted and kept on the host; the engine at its defaults (the exact step)
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+  gpt-oss-cap24)  # GPT-OSS-20B (bf16) LoRA on the experts' parameters and the attention, the same way
+    ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+  dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
+    ours 240 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
@@ -240,6 +248,15 @@ run_anchors() {
     in_gpu_liger 120 --model qwen3-1.7b --mode bf16 --seqs 16384,32768,65536 --gb 1 --mbs 1 --cap 24 \
       --section long-liger
     reference 150 --model qwen3-1.7b --seqs 65536,131072 --gb 1 --nms 1 --iters 2 --cap 24 --section long-reference ;;
+  moe-cap24)  # the reference RoundPipe on the same model and steps, in its own process (it builds with the cap lifted)
+    reference 240 --model qwen3-30b-a3b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 1 --iters 2 \
+      --section moe-cap24-reference ;;
+  gpt-oss-cap24)
+    reference 240 --model gpt-oss-20b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 1 --iters 2 \
+      --section gpt-oss-cap24-reference ;;
+  dense-32b-cap24)
+    reference 240 --model qwen3-32b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 1 --iters 2 \
+      --section dense-32b-cap24-reference ;;
   *)
     echo "anchors: none for $1" | tee -a "$LOG" ;;
   esac

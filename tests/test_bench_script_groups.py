@@ -1,0 +1,96 @@
+"""`scripts/device/bench.sh`'s mixture-of-experts and 32B groups, without a GPU: the script runs in a copy of the
+tree with a `python3` on PATH that only writes down its arguments, so what each group would run (its commands, their
+time limits) is read back, and our command lines are checked by `benchmarks/run.py`'s own parser."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import run  # noqa: E402
+
+GROUPS = {  # group: (our workload, the anchors' --model)
+    "moe-cap24": ("qwen3-30b-a3b-lora-s4096-b8-cap24", "qwen3-30b-a3b"),
+    "gpt-oss-cap24": ("gpt-oss-20b-lora-s4096-b8-cap24", "gpt-oss-20b"),
+    "dense-32b-cap24": ("qwen3-32b-lora-s4096-b8-cap24", "qwen3-32b"),
+}
+
+
+def bench(tmp_path: Path, *names: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """Runs bench.sh NAMES in a copy of the tree; (the process, each python3 call's arguments, bench.log)."""
+    tree = tmp_path / "tree"
+    (tree / "scripts" / "device").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "scripts" / "device" / "bench.sh", tree / "scripts" / "device" / "bench.sh")
+    (tree / ".anchors").mkdir(exist_ok=True)
+    (tree / ".anchors" / "rp.py").write_text("")
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.txt"
+    (stub / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (stub / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(out), "BENCH_COMMIT": "test"}
+    env.pop("BENCH_CALL_S", None)
+    done = subprocess.run(["bash", str(tree / "scripts" / "device" / "bench.sh"), *names], env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    log = (out / "bench.log").read_text() if (out / "bench.log").exists() else ""
+    return done, lines, log
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_group_runs_ours_then_the_reference(tmp_path, group):
+    workload, model = GROUPS[group]
+    done, calls, log = bench(tmp_path, group, "anchors")
+    assert done.returncode == 0, done.stderr
+    ours, reference = calls[0], calls[1]
+    assert ours.startswith("benchmarks/run.py ") and reference.startswith(".anchors/rp.py ")
+    args = run.parse_args(ours.split()[1:])  # our command line is one run.py takes
+    assert (args.workload, args.system, args.nms, args.warm, args.iters) == (
+        workload, "roundpipe-engine", "auto", 1, 2)
+    assert args.roundpipe == {}  # the engine at its defaults (the exact step)
+    assert reference.split()[1:] == ["--model", model, "--lora", "--cap", "24", "--seqs", "4096", "--gb", "8",
+                                     "--nms", "4", "--warm", "1", "--iters", "2", "--section",
+                                     f"{group}-reference"]
+    # each in its own process under 240 s: the pair fits one call
+    limits = [int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3 (?:benchmarks/run.py|\.anchors/rp.py)", log,
+                                         re.M)]
+    assert limits == [240, 240]
+    assert calls[2].startswith("benchmarks/call_summary.py")
+
+
+def test_group_without_anchors_runs_ours_only(tmp_path):
+    done, calls, _ = bench(tmp_path, "moe-cap24")
+    assert done.returncode == 0, done.stderr
+    assert [c.split()[0] for c in calls] == ["benchmarks/run.py", "benchmarks/call_summary.py"]
+
+
+def test_unknown_name_runs_nothing(tmp_path):
+    done, calls, _ = bench(tmp_path, "moe-cap24", "moe-cap42")
+    assert done.returncode == 2 and "unknown workload: moe-cap42" in done.stderr
+    assert calls == []
+    for group in GROUPS:  # the usage line lists the groups
+        assert f" {group}" in done.stderr
+
+
+def test_reference_flags_are_rp_py_s():
+    # the reference's command line uses only flags the anchors' rp.py defines (when a copy is at hand)
+    for path in (ROOT / ".anchors" / "rp.py", ROOT.parent / "shared" / "anchors" / "rp.py"):
+        if path.is_file() and path.stat().st_size:
+            defined = set(re.findall(r'add_argument\("(--[a-z-]+)"', path.read_text()))
+            break
+    else:
+        pytest.skip("no copy of the anchors' rp.py")
+    script = (ROOT / "scripts" / "device" / "bench.sh").read_text()
+    for group in GROUPS:
+        branch = re.search(rf"^  {group}\)(.*?);;", script.split("run_anchors()")[1], re.M | re.S)
+        assert branch, group
+        assert set(re.findall(r"(--[a-z-]+)", branch.group(1))) <= defined
