@@ -17,7 +17,8 @@ The reaches, by library: `hf_trainer.py` (transformers' Trainer and TrainingArgu
 model: its patched methods, PEFT and transformers' `save_pretrained`), `accelerate_internals.py` (accelerate's
 Accelerator and state), `trl_internals.py` (TRL's trainers and fused LM head), `torch_internals.py` (torch's
 process group and LR scheduler), `launcher_swaps.py` (the classes `launch/install.py` swaps under stock scripts),
-`peft_internals.py` (PEFT's LoRA wrapper of bare parameters, such as MoE experts', run on the engine's layer copies).
+`peft_internals.py` (PEFT's LoRA wrapper of bare parameters, such as MoE experts', run on the engine's layer copies),
+`hf_experts.py` (transformers' experts implementations, chosen on each layer copy).
 """
 
 from __future__ import annotations

@@ -25,12 +25,17 @@ data by the model's own code (see [Note: shells] in `shell.py`), so no B x T x T
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..compat.hf_experts import dispatching_experts, implementation_of, runnable_implementation, set_implementation
 from .router_aux import add_router_statistics, recording
 from .shell import capture_layer_call
+
+logger = logging.getLogger(__name__)
 
 
 def optional_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -101,6 +106,11 @@ class DecoderLayer(nn.Module):
         self.router_top_k = router_top_k
         self.router_logits_in_output = router_logits_in_output
         self._captured: dict[tuple, tuple[tuple, dict]] = {}
+        # A copy's experts (its own deep copies, through the memo) beside the user's experts they were copied from
+        # (shared by every copy, never copied): see [Note: experts implementation of layer copies].
+        experts = [module for _, module in dispatching_experts(decoder_layer)]
+        self._experts = experts
+        self._user_experts = _Shared(tuple(experts))
 
     def _layer_arguments(self, hidden, attention_mask, position_ids) -> tuple[tuple, dict]:
         """What the model's own forward passes to this decoder layer (see [Note: shells]).
@@ -136,7 +146,30 @@ class DecoderLayer(nn.Module):
             self._captured[key] = captured
         return captured
 
+    def _select_experts_implementation(self, device: torch.device) -> None:
+        """[Note: experts implementation of layer copies]
+        transformers 5 runs a MoE layer's experts by the implementation its config names ("grouped_mm" unless the
+        user chose another: `from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation`;
+        `compat/hf_experts.py`). A device's layer copy is a deep copy of the layer, config included, made at its
+        first run: without this, a choice made after that run never reached the copies. So before every run each
+        copy's experts are set to what the user's experts' config names now, made runnable for the weights the copy
+        holds: "grouped_mm" has no float64 kernel, so a float64 copy runs the "eager" loop (the same sums; HF's own
+        forward fails there). Only the copy's config changes; the user's model is never touched. The layer itself
+        (not a copy: the split run directly) runs the user's experts as they are."""
+        for copied, user in zip(self._experts, self._user_experts.value):
+            if copied is user:
+                continue
+            weight = next((p for p in copied._parameters.values() if p is not None), None)
+            named = implementation_of(user)
+            wanted = named if weight is None else runnable_implementation(named, weight.dtype)
+            if wanted != named:
+                _say_once(named, wanted, weight.dtype, device)
+            if implementation_of(copied) != wanted:
+                set_implementation(copied, wanted)
+
     def forward(self, hidden, attention_mask, position_ids, *extras):
+        if self._experts:
+            self._select_experts_implementation(hidden.device)
         args, kwargs = self._layer_arguments(hidden, attention_mask, position_ids)
         # The real hidden state takes the place of the one the shell saw (dropped from the captured arguments).
         if "hidden_states" in kwargs:
@@ -154,6 +187,30 @@ class DecoderLayer(nn.Module):
             router_outputs, attention_mask, extras[0], extras[1], self.router_top_k
         )
         return (_hidden_of(output), attention_mask, position_ids, router_counts, router_probs, *extras[2:])
+
+
+class _Shared:
+    """A value every deep copy of its holder shares (the user's modules, which a layer copy reads, never copies)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo) -> _Shared:
+        return self
+
+
+_SAID: set[tuple] = set()
+
+
+def _say_once(named: str | None, wanted: str | None, dtype: torch.dtype, device: torch.device) -> None:
+    key = (named, wanted, dtype, device.type)
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.warning("RoundPipe: the model's config names experts_implementation=%r, which has no %s kernel; the "
+                       "layer copies on %s run %r instead (the same computation). Set it to %r on the model "
+                       "(model.set_experts_implementation) to say so.", named, dtype, device.type, wanted, wanted)
 
 
 def _tensor_bytes(captured: tuple[tuple, dict]) -> int:

@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -21,6 +21,7 @@ LOG=$OUT/bench.log
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup"
+WORKLOADS+=" moe-experts"
 WORKLOADS+=" moe-cap24 gpt-oss-cap24 dense-32b-cap24"
 CALL_S=${BENCH_CALL_S:-585}
 
@@ -203,6 +204,9 @@ run_ours() {
       --variant host:optimizer_placement=host --out "$OUT"
     step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --switch-interval 0.001 \
       --variant auto-switch0.001:optimizer_placement=auto --out "$OUT" ;;
+  moe-experts)  # issue 32 item 2: Qwen3-30B-A3B's layer shapes, 4 layers, bf16: plain HF with each experts
+    # implementation, plain PEFT LoRA in GPU memory, the engine's LoRA with each (benchmarks/moe_experts.py)
+    step 170 python3 benchmarks/moe_experts.py --out "$OUT/ours.jsonl" ;;
   trainer-1.7b)  # Qwen3-1.7B s4096 b8, RoundPipeTrainer at its defaults (exact, clip 1.0, logging 10)
     ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
       --roundpipe optimizer_placement=auto ;;
