@@ -17,9 +17,9 @@ Every variant sees the same weights and batch (the learning rate is 0 unless `--
 compare across implementations (bf16 rounding only). One `RESULT {...}` line per variant: tokens/s, seconds per
 step, GPU peak, losses, and `ran`: how many experts calls ran each implementation (counted at transformers'
 dispatch; Liger's forward bypasses it, so its variant counts none). A variant that runs out of memory (batched_mm
-gathers every token's expert weights: 2 x 4096 x 8 x 1536 x 2048 bf16 values, 400 GiB) is a record with its
-error. Variants that would start past `--budget-s` are skipped (a record says so). `--tiny` runs everything small on
-CPU workers in float32 (a check that the script runs).
+gathers every token's expert weights: 2 x 4096 x 8 x 1536 x 2048 bf16 values, 384 GiB, for the first projection)
+is a record with its error. Variants that would start past `--budget-s` are skipped (a record says so). `--tiny`
+runs everything small on CPU workers in float32 (a check that the script runs).
 
     python3 benchmarks/moe_experts.py [--tiny] [--seq 4096] [--batch 2] [--warm 2] [--iters 3] [--liger]
         [--out results.jsonl]
