@@ -1,0 +1,132 @@
+"""The run's swap folder under `offload_dir`: its own per engine, with an owner record, removed at `close()` and at
+interpreter exit; leftovers of runs that died (SIGKILL, a power cut) removed at the next start.
+
+[Note: swap folder ownership]
+A folder is named `roundpipe-swap-<host>-<pid>-<token>` and holds `owner.json` (pid, host, the process's start time
+as the kernel counts it, the wall-clock time it was made). When an engine makes its folder it first looks at the
+other `roundpipe-swap-*` folders there: one made on this host by a process that no longer runs is a leftover and is
+removed (one warning line says how many and how many bytes); one whose process runs (another engine training beside
+this one) or that was made on another host (an offload_dir on a shared mount) is left alone. The start time tells a
+dead run from a new process that happens to have its pid; without the record (killed between mkdir and the record's
+rename) the name's host and pid decide. The swap files are never a checkpoint: nothing in them outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+import weakref
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "roundpipe-swap-"
+OWNER_RECORD = "owner.json"
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/<pid>/stat); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # the name in parentheses may hold spaces
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Does process `pid` run on this host (and, when `start_ticks` is known, is it the same process)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
+    if start_ticks is None:
+        return True
+    now = process_start_ticks(pid)
+    return now is None or now == start_ticks
+
+
+def _owner(folder: str, name: str) -> tuple[str, int, int | None] | None:
+    """(host, pid, start ticks) of a swap folder, from its record, else from its name; None if neither reads."""
+    try:
+        with open(os.path.join(folder, OWNER_RECORD)) as f:
+            record = json.load(f)
+        return str(record["host"]), int(record["pid"]), record.get("start_ticks")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        host, pid, _token = name[len(PREFIX):].rsplit("-", 2)
+        return host, int(pid), None
+    except ValueError:
+        return None
+
+
+def _tree_bytes(folder: str) -> int:
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def remove_leftovers(offload_dir: str) -> list[str]:
+    """Remove the swap folders in `offload_dir` left by dead runs on this host; returns their paths."""
+    host = socket.gethostname()
+    removed, nbytes = [], 0
+    try:
+        names = sorted(os.listdir(offload_dir))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = os.path.join(offload_dir, name)
+        if not name.startswith(PREFIX) or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        owner = _owner(path, name)
+        if owner is None or owner[0] != host or owner[1] == os.getpid() or process_alive(owner[1], owner[2]):
+            continue
+        nbytes += _tree_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.warning("RoundPipe removed %d swap folder(s) left in %s by runs that died (%.2f GiB): %s",
+                       len(removed), offload_dir, nbytes / 2**30, ", ".join(os.path.basename(p) for p in removed))
+    return removed
+
+
+class SwapFolder:
+    """This engine's folder under `offload_dir`; `path` exists until `close()` or the interpreter's exit."""
+
+    def __init__(self, offload_dir: str) -> None:
+        offload_dir = os.path.abspath(offload_dir)
+        os.makedirs(offload_dir, exist_ok=True)
+        self.removed_leftovers = remove_leftovers(offload_dir)
+        host, pid = socket.gethostname(), os.getpid()
+        self.path = os.path.join(offload_dir, f"{PREFIX}{host}-{pid}-{secrets.token_hex(4)}")
+        os.mkdir(self.path, 0o700)
+        # Removed when closed, collected, or at exit, whichever comes first (weakref.finalize runs at exit too).
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        record = {"pid": pid, "host": host, "start_ticks": process_start_ticks(pid), "created": time.time()}
+        staged = os.path.join(self.path, OWNER_RECORD + ".tmp")
+        with open(staged, "w") as f:
+            json.dump(record, f)
+        os.replace(staged, os.path.join(self.path, OWNER_RECORD))  # whole or absent: never a half-written record
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Remove the folder and everything in it (idempotent)."""
+        self._finalizer()
