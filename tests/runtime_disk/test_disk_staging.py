@@ -208,3 +208,50 @@ def test_close_waits_for_the_writes_in_flight_then_removes_everything(tmp_path):
     assert len(written) == chunks  # every chunk of the write-back ran before the files went
     assert not os.path.exists(folder) and not os.listdir(tmp_path)
     staging.close()  # idempotent
+
+
+def test_acquiring_a_bucket_still_held_is_refused_not_a_hang(tmp_path):
+    staging = _staging(tmp_path, slots=2, timeout_s=5)
+    staging.schedule([1, 1])
+    staging.acquire(1)
+    start = time.monotonic()
+    with pytest.raises(StagingOrderError, match=r"acquire\(1\) while bucket 1 is still held: release it"):
+        staging.acquire(1)
+    assert time.monotonic() - start < 1  # refused at once, not after the timeout
+    staging.release(1)
+    staging.acquire(1)
+    staging.release(1, dirty=False)
+    staging.close()
+
+
+def test_flush_waits_for_the_write_backs_then_the_files_hold_the_newest_values(tmp_path):
+    def slow_write(kind, path, offset, nbytes):
+        if kind == "write":
+            time.sleep(0.05)
+
+    staging = _staging(tmp_path, slots=2, hook=slow_write)
+    staging.schedule([3, 4])
+    for key in (3, 4):
+        staging.acquire(key)["exp_avg_sq"].fill_(float(key))
+        staging.release(key)
+    staging.flush()
+    assert staging.in_use == 0
+    for key in (3, 4):
+        assert staging.files[key].read_tensors()["exp_avg_sq"].eq(float(key)).all()
+    staging.close()
+
+
+def test_flush_raises_a_write_back_failure_naming_the_file(tmp_path):
+    def fail(kind, path, offset, nbytes):
+        if kind == "write":
+            time.sleep(0.05)  # still in flight when flush() starts waiting
+            raise OSError(5, "Input/output error")
+
+    staging = _staging(tmp_path, slots=2, hook=fail)
+    staging.schedule([0])
+    staging.acquire(0)
+    staging.release(0)
+    with pytest.raises(SwapIOError, match=r"the write of bytes .* of .*bucket-0\.swap failed"):
+        staging.flush()
+    staging.close()
+    assert not os.listdir(tmp_path)

@@ -96,7 +96,19 @@ def test_a_folder_without_a_record_is_judged_by_its_name(tmp_path):
     orphan = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{pid}-12345678"
     orphan.mkdir()
     mine = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{os.getpid()}-87654321"
-    mine.mkdir()
+    mine.mkdir()  # this process's pid, no record: maybe an engine being made on another thread, kept
     (tmp_path / "roundpipe-swap-notes.txt").write_text("not a folder of ours")
     assert remove_leftovers(str(tmp_path)) == [str(orphan)]
     assert mine.is_dir() and (tmp_path / "roundpipe-swap-notes.txt").exists()
+
+
+def test_a_dead_runs_folder_with_this_processs_pid_is_removed(tmp_path):
+    """In a container every run may get the same pid: the record's start time tells the dead run from this one."""
+    stale = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{os.getpid()}-0badf00d"
+    stale.mkdir()
+    ticks = swap_folder.process_start_ticks(os.getpid())
+    (stale / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "start_ticks": ticks - 1, "created": 0}))
+    folder = SwapFolder(str(tmp_path))
+    assert folder.removed_leftovers == [str(stale)] and not stale.exists()
+    folder.close()

@@ -13,12 +13,13 @@ disk. A slot is in use from the start of its read to the end of its write-back: 
 `peak_in_use`).
 
 Refused with `StagingOrderError`: an acquire of any bucket but the next scheduled one, an acquire while the caller
-holds all K slots (its read could never start), a release of a bucket not held, any call after close(). Any I/O
-failure is kept and raised, naming the file, by the call that waits on it (acquire for a read) or by the next call
-(a write-back's failure: the next acquire, release or close); after one, the staging is broken and every call
-raises it. No wait is longer than `timeout_s`. `close()` waits for the I/O in flight (within `timeout_s`), then
-closes and removes the swap files and their folder; buckets still held are dropped unwritten (the swap files are no
-checkpoint: [Note: swap folder ownership]).
+holds all K slots or the same bucket (its read could never start), a release of a bucket not held, any call after
+close(). Any I/O failure is kept and raised, naming the file, by the call that waits on it (acquire for a read,
+flush for a write-back) or by the next call (the next schedule, acquire, release, flush or close); after one, the
+staging is broken and every call raises it. No wait is longer than `timeout_s`. `flush()` waits for the write-backs
+in flight, after which the files of buckets not in a slot hold their newest values. `close()` waits for the I/O in
+flight (within `timeout_s`), then closes and removes the swap files and their folder; buckets still held are dropped
+unwritten (the swap files are no checkpoint: [Note: swap folder ownership]).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class DiskStaging:
                 nxt = repr(self._expected[0]) if self._expected else "none (schedule() them first)"
                 raise StagingOrderError(f"acquire({key!r}) out of order: the next scheduled bucket is {nxt}; acquire "
                                         f"buckets in the order given to schedule()")
+            if key in self._staged and self._staged[key].held:
+                raise StagingOrderError(f"acquire({key!r}) while bucket {key!r} is still held: release it before it "
+                                        f"is read again")
             held = sum(staged.held for staged in self._staged.values())
             if key not in self._staged and held == self.slots:
                 raise StagingOrderError(f"acquire({key!r}) while all {self.slots} staging slots are held: release a "
@@ -140,6 +144,22 @@ class DiskStaging:
             nbytes = self.files.layouts[key].nbytes
             self._writes[key] = self._io.submit("write", self.files[key], self._slot_buffers[staged.slot], nbytes,
                                                 on_done=lambda t, k=key, s=staged.slot: self._written(k, s, t))
+
+    def flush(self) -> None:
+        """Wait until every write-back started so far is on disk (within `timeout_s`), raising its failure: then
+        the swap files of buckets not in a slot hold their newest values (a checkpoint may read them)."""
+        with self._cond:
+            self._check()
+            deadline = time.monotonic() + self.timeout_s
+            while self._writes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    path = next(iter(self._writes.values())).path
+                    raise self._fail(SwapTimeoutError(f"flush(): the write-back of {path} did not finish within "
+                                                      f"{self.timeout_s:g} s (a stalled or very slow disk under "
+                                                      f"offload_dir)", path))
+                self._cond.wait(left)
+                self._check()
 
     def close(self) -> None:
         """Wait for the I/O in flight, then close and remove the swap files and their folder; raise an I/O failure

@@ -91,8 +91,8 @@ def remove_leftovers(offload_dir: str) -> list[str]:
         if not name.startswith(PREFIX) or not os.path.isdir(path) or os.path.islink(path):
             continue
         owner = _owner(path, name)
-        if owner is None or owner[0] != host or owner[1] == os.getpid() or process_alive(owner[1], owner[2]):
-            continue
+        if owner is None or owner[0] != host or process_alive(owner[1], owner[2]):
+            continue  # this process's own folders are alive too, unless their start time is another process's
         nbytes += _tree_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
