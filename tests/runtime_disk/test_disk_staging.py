@@ -255,3 +255,26 @@ def test_flush_raises_a_write_back_failure_naming_the_file(tmp_path):
         staging.flush()
     staging.close()
     assert not os.listdir(tmp_path)
+
+
+def test_a_failed_read_is_raised_even_before_its_completion_callback_ran(tmp_path, monkeypatch):
+    """A transfer is done (its event set) a moment before its callback records the failure: acquire must not take
+    the half-read slot for data in that moment."""
+    late = DiskStaging._read_done
+
+    def slow_callback(self, transfer):
+        time.sleep(0.3)
+        late(self, transfer)
+
+    monkeypatch.setattr(DiskStaging, "_read_done", slow_callback)
+
+    def fail(kind, path, offset, nbytes):
+        if kind == "read" and offset == 8192:  # the first chunk lands, the second fails
+            raise OSError(5, "Input/output error")
+
+    staging = _staging(tmp_path, slots=1, hook=fail, timeout_s=5)
+    staging.schedule([1])
+    assert staging._staged[1].read.done.wait(5)  # done; its callback still asleep
+    with pytest.raises(SwapIOError, match=r"the read of bytes \[8192, 16384\) of .*bucket-1\.swap failed"):
+        staging.acquire(1)
+    staging.close()

@@ -117,6 +117,8 @@ class DiskStaging:
                 self._check()
                 staged = self._staged.get(key)
                 if staged is not None and staged.read.done.is_set():
+                    if staged.read.error is not None:  # set before `done`; _read_done may not have run yet
+                        raise self._fail(staged.read.error)
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -178,11 +180,14 @@ class DiskStaging:
                                              transfer.path)
                 break
         self._io.shutdown(wait=timed_out is None)
+        failed = [t.error for t in in_flight if t.done.is_set() and t.error is not None]  # on_done may not have run
         if timed_out is None:
             self.files.close()
         else:  # a thread may still be inside pread/pwrite on a file: closing its fd could let a new file take the
             self.files.folder.close()  # number under it; unlinked, the files go when the process's fds do
         with self._cond:
+            if self._error is None and failed:
+                self._error = failed[0]
             error = self._error if not self._error_raised else None
             self._error_raised = True
         if error is not None:
