@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import collections
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -84,3 +87,19 @@ def test_the_default_budget_is_memavailable_less_the_headroom(tmp_path, monkeypa
     pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(memory_budget.os, "sysconf", lambda name: pages[name])
     assert memory_budget.available_memory_bytes(str(tmp_path / "absent")) == 4_096_000  # no /proc: sysconf
+
+
+def test_a_killed_runs_leftovers_are_removed_before_the_free_space_is_counted(tmp_path, monkeypatch):
+    """The run that was killed left its files on the disk: counted as used, they would refuse its own restart."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{int(dead.stdout)}-deadbeef"
+    leftover.mkdir()
+    (leftover / "bucket-0.swap").write_bytes(b"\0" * 4096)
+    # The disk is full while the leftover is there, and has room once it is gone.
+    monkeypatch.setattr(folder_checks.shutil, "disk_usage",
+                        lambda path: Usage(4 * GiB, 4 * GiB, 0) if leftover.exists() else Usage(4 * GiB, 0, 4 * GiB))
+    layouts = {0: BucketLayout.of([TensorSpec("optim", 1024, torch.float32)])}
+    staging = open_swap(str(tmp_path), layouts, slots=1, pin_memory=False)
+    assert not leftover.exists()
+    staging.close()
+    assert os.listdir(tmp_path) == []

@@ -40,11 +40,10 @@ def _try_write(folder: str) -> None:
     os.unlink(probe)
 
 
-def check_offload_dir(offload_dir: str, needed_bytes: int, setting: str = "offload_dir") -> str:
-    """Refuse an `offload_dir` that cannot take `needed_bytes` of swap files; returns its absolute path.
-
-    A folder that does not exist yet is made later, by the swap folder: its nearest existing parent is checked.
-    `setting` is how the caller names the setting in its messages (e.g. "RoundPipeConfig(offload_dir=...)")."""
+def check_folder(offload_dir: str, setting: str = "offload_dir") -> str:
+    """Refuse an `offload_dir` that is not a folder or not writable; returns its absolute path. A folder that does not
+    exist yet is made later, by the swap folder: its nearest existing parent is checked. `setting` is how the caller
+    names the setting in its messages (e.g. "RoundPipeConfig(offload_dir=...)")."""
     path = os.path.abspath(os.path.expanduser(offload_dir))
     where = f"{setting}={offload_dir!r}"
     existing = _existing_ancestor(path)
@@ -55,12 +54,24 @@ def check_offload_dir(offload_dir: str, needed_bytes: int, setting: str = "offlo
     except OSError as error:
         raise OffloadSettingError(f"{where}: cannot write in {existing} ({error.strerror or error}); point {setting} "
                                   f"at a folder this user can write, on a local disk") from error
+    return path
+
+
+def check_free_space(offload_dir: str, needed_bytes: int, setting: str = "offload_dir") -> None:
+    """Refuse an `offload_dir` whose disk cannot take `needed_bytes` of swap files and the margin."""
+    existing = _existing_ancestor(os.path.abspath(os.path.expanduser(offload_dir)))
     usage = shutil.disk_usage(existing)
     required = required_free_bytes(needed_bytes)
     if usage.free < required:
         raise OffloadSettingError(
-            f"{where}: the swap files need {needed_bytes / GiB:.2f} GiB and the disk under {existing} has "
-            f"{usage.free / GiB:.2f} GiB free, less than the {required / GiB:.2f} GiB required (the files plus a "
-            f"margin of {FREE_MARGIN_BYTES / GiB:.0f} GiB and {FREE_MARGIN_SHARE:.0%}); free space there, point "
-            f"{setting} at a larger disk, or raise host_memory_budget so fewer buckets go to disk")
+            f"{setting}={offload_dir!r}: the swap files need {needed_bytes / GiB:.2f} GiB and the disk under "
+            f"{existing} has {usage.free / GiB:.2f} GiB free, less than the {required / GiB:.2f} GiB required (the "
+            f"files plus a margin of {FREE_MARGIN_BYTES / GiB:.0f} GiB and {FREE_MARGIN_SHARE:.0%}); free space "
+            f"there, point {setting} at a larger disk, or raise host_memory_budget so fewer buckets go to disk")
+
+
+def check_offload_dir(offload_dir: str, needed_bytes: int, setting: str = "offload_dir") -> str:
+    """Both checks: a writable folder with room for `needed_bytes` of swap files; returns its absolute path."""
+    path = check_folder(offload_dir, setting)
+    check_free_space(offload_dir, needed_bytes, setting)
     return path
