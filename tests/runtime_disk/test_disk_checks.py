@@ -80,13 +80,34 @@ def test_open_swap_makes_the_run_folder_and_close_removes_it(tmp_path):
 def test_the_default_budget_is_memavailable_less_the_headroom(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000000 kB\nMemAvailable:   125829120 kB\n")
-    assert memory_budget.available_memory_bytes(str(meminfo)) == 120 * GiB
+    no_cgroup = str(tmp_path / "no-cgroup")
+    assert memory_budget.available_memory_bytes(str(meminfo), no_cgroup) == 120 * GiB
     assert memory_budget.default_host_memory_budget(120 * GiB) == 96.0  # a 128 GB machine: 20% headroom
     assert memory_budget.default_host_memory_budget(10 * GiB) == 6.0  # at least 4 GiB of headroom
     assert memory_budget.default_host_memory_budget(2 * GiB) == 0.0
     pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(memory_budget.os, "sysconf", lambda name: pages[name])
-    assert memory_budget.available_memory_bytes(str(tmp_path / "absent")) == 4_096_000  # no /proc: sysconf
+    assert memory_budget.available_memory_bytes(str(tmp_path / "absent"), no_cgroup) == 4_096_000  # no /proc
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_memory_limit_caps_what_is_available(tmp_path, version):
+    """MemAvailable inside a container is the whole host's: the cgroup's limit less its usage beyond the inactive
+    page cache is what this process can have before the container is killed."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   125829120 kB\n")  # the host: 120 GiB
+    root = tmp_path / "cgroup"
+    folder, prefix, inactive = (root, "memory.", "inactive_file") if version == 2 else \
+        (root / "memory", "memory.", "total_inactive_file")
+    folder.mkdir(parents=True)
+    limit, usage = ("max", "current") if version == 2 else ("limit_in_bytes", "usage_in_bytes")
+    (folder / f"{prefix}{limit}").write_text(f"{32 * GiB}\n")
+    (folder / f"{prefix}{usage}").write_text(f"{12 * GiB}\n")  # 12 GiB used, 4 of them inactive page cache
+    (folder / "memory.stat").write_text(f"anon {8 * GiB}\n{inactive} {4 * GiB}\n")
+    assert memory_budget.available_memory_bytes(str(meminfo), str(root)) == 24 * GiB
+    assert memory_budget.default_host_memory_budget(24 * GiB) == pytest.approx(19.2)
+    (folder / f"{prefix}{limit}").write_text("max\n" if version == 2 else "9223372036854771712\n")  # no limit
+    assert memory_budget.available_memory_bytes(str(meminfo), str(root)) == 120 * GiB
 
 
 def test_a_killed_runs_leftovers_are_removed_before_the_free_space_is_counted(tmp_path, monkeypatch):
