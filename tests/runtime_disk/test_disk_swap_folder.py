@@ -112,3 +112,19 @@ def test_a_dead_runs_folder_with_this_processs_pid_is_removed(tmp_path):
     folder = SwapFolder(str(tmp_path))
     assert folder.removed_leftovers == [str(stale)] and not stale.exists()
     folder.close()
+
+
+def test_a_forked_child_leaves_the_parents_folder(tmp_path):
+    """A data loader's worker forked from the training process inherits the folder's exit handler: run there, it
+    must not remove the swap files the parent is still training with."""
+    folder = SwapFolder(str(tmp_path))
+    child = os.fork()
+    if child == 0:  # the child: run the inherited handler as its exit would, then leave without pytest's handlers
+        try:
+            folder.close()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert status == 0 and os.path.isdir(folder.path)
+    folder.close()
+    assert not os.path.exists(folder.path)

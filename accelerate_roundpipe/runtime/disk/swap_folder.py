@@ -102,6 +102,13 @@ def remove_leftovers(offload_dir: str) -> list[str]:
     return removed
 
 
+def _remove_if_owner(path: str, owner_pid: int) -> None:
+    """Remove the folder, from the process that made it only: a forked child (a data loader's worker) that exits
+    through Python's exit handlers inherits the finalizer and must not take the parent's swap files with it."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class SwapFolder:
     """This engine's folder under `offload_dir`; `path` exists until `close()` or the interpreter's exit."""
 
@@ -113,7 +120,7 @@ class SwapFolder:
         self.path = os.path.join(offload_dir, f"{PREFIX}{host}-{pid}-{secrets.token_hex(4)}")
         os.mkdir(self.path, 0o700)
         # Removed when closed, collected, or at exit, whichever comes first (weakref.finalize runs at exit too).
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.path, True)
+        self._finalizer = weakref.finalize(self, _remove_if_owner, self.path, pid)
         record = {"pid": pid, "host": host, "start_ticks": process_start_ticks(pid), "created": time.time()}
         staged = os.path.join(self.path, OWNER_RECORD + ".tmp")
         with open(staged, "w") as f:
