@@ -10,7 +10,6 @@ errors there (off by default).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,9 +93,3 @@ class IOThreads:
     def shutdown(self, wait: bool) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
 
-
-def wait_all(transfers: list[Transfer], timeout_s: float) -> None:
-    """Wait for every transfer within one deadline; raise the first error or timeout met."""
-    deadline = time.monotonic() + timeout_s
-    for transfer in transfers:
-        transfer.wait(max(0.0, deadline - time.monotonic()))
