@@ -93,18 +93,57 @@ def training_flops_per_token(trainable_params: int, frozen_params: int = 0, laye
     return 6.0 * trainable_params + 4.0 * frozen_params + attention
 
 
-def _matmul_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) elements of the matrices a model multiplies by: every parameter of two or more
-    dimensions held by a module other than an embedding (a tied LM head counts once, through the head)."""
-    held: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
+def _matmul_params(model: torch.nn.Module) -> tuple[float, float]:
+    """(trainable, frozen) elements of the matrices a model multiplies one token by: every parameter of two or more
+    dimensions held by a module other than an embedding (a tied LM head counts once, through the head); in a
+    mixture of experts, the experts' weights and their adapters at the share of experts a token is sent to
+    ([Note: active experts in the FLOP count])."""
+    share, experts = _expert_shares(model)
+    held: dict[int, tuple[torch.nn.Parameter, float]] = {}
+    for path, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding):
             continue
+        weights = 3 if id(module) in experts else 2  # an experts module's 2-D parameters are its biases (E x out)
         for p in module.parameters(recurse=False):
-            if p.dim() >= 2:
-                held[id(p)] = p
-    trainable = sum(p.numel() for p in held.values() if p.requires_grad)
-    return trainable, sum(p.numel() for p in held.values()) - trainable
+            if p.dim() >= weights:
+                held[id(p)] = p, next((f for prefix, f in share.items() if _under(path, prefix)), 1.0)
+    trainable = sum(p.numel() * f for p, f in held.values() if p.requires_grad)
+    return trainable, sum(p.numel() * f for p, f in held.values()) - trainable
+
+
+# [Note: active experts in the FLOP count]
+# A mixture of experts stores `E` experts per layer (transformers 5 keeps them as 3-D parameters of one experts
+# module) and sends each token to `num_experts_per_tok` of them: the model FLOPs of a token are those of the router
+# and its top-k experts, as benchmarks/flops.py counts them, not of every stored expert (which made the live MFU of
+# Qwen3-30B-A3B 16x too high). PEFT's adapters on the experts (its `ParamWrapper`, wrapped around the experts
+# module) hold every expert's factors too, so everything under the outermost module whose base layer is an experts
+# module counts at the share top-k / E.
+
+def _expert_shares(model: torch.nn.Module) -> tuple[dict[str, float], set[int]]:
+    """Path of each outermost module holding a layer's experts (or PEFT's wrapper around them) -> the share of its
+    weights one token multiplies; and the ids of the experts modules."""
+    from ..compat.hf_experts import dispatching_experts
+
+    experts = {id(module) for _, module in dispatching_experts(model)}
+    if not experts:
+        return {}, experts
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not top_k:
+        return {}, experts  # no top-k to read: every stored expert counts (an overstatement, not a guess)
+    shares: dict[str, float] = {}
+    for path, module in model.named_modules():
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if id(base) in experts and not any(_under(path, prefix) for prefix in shares):
+            stored = next((p.shape[0] for p in base.parameters(recurse=False) if p.dim() == 3), None)
+            if stored:
+                shares[path] = min(1.0, top_k / stored)
+    return shares, experts
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
 
 
 def model_training_flops_per_token(model: torch.nn.Module, seq_len: int = 0) -> float:
