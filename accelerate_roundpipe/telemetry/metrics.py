@@ -115,7 +115,7 @@ def _matmul_params(model: torch.nn.Module) -> tuple[float, float]:
 # A mixture of experts stores `E` experts per layer (transformers 5 keeps them as 3-D parameters of one experts
 # module) and sends each token to `num_experts_per_tok` of them: the model FLOPs of a token are those of the router
 # and its top-k experts, as benchmarks/flops.py counts them, not of every stored expert (which made the live MFU of
-# Qwen3-30B-A3B 16x too high). PEFT's adapters on the experts (its `ParamWrapper`, wrapped around the experts
+# Qwen3-30B-A3B 5.6x too high). PEFT's adapters on the experts (its `ParamWrapper`, wrapped around the experts
 # module) hold every expert's factors too, so everything under the outermost module whose base layer is an experts
 # module counts at the share top-k / E.
 
