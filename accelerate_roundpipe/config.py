@@ -314,7 +314,7 @@ class RoundPipeConfig:
             statistics between them (see [Note: vocabulary shards] in `models/vocab_shards.py`), so the planner can
             spread a long-vocabulary head over several stages; "auto" takes the count the planner picks from the
             model's FLOPs for the devices in use (1 on one device). Each shard uploads only its rows of the head
-            weight and downloads only their gradient ([Note: row windows] in `runtime/host_store.py`). Default: 1
+            weight and downloads only their gradient ([Note: row windows] in `runtime/state/host_store.py`). Default: 1
             (one head layer).
         gpu_memory_budget (`float` GiB or a string like "24GiB", env `ROUNDPIPE_GPU_MEMORY_BUDGET`): GPU memory
             the engine plans with, per device. Half of it may hold saved layer inputs on the device instead of the
@@ -322,7 +322,7 @@ class RoundPipeConfig:
             host copy path, as on a GPU).
         optimizer_placement (`str`, env `ROUNDPIPE_OPTIMIZER_PLACEMENT`): where each trainable bucket's optimizer
             state, float32 master weights and gradients live ([Note: optimizer placement] in
-            `runtime/placement.py`): "device" keeps as many buckets as fit in `optimizer_device_budget` on a GPU
+            `runtime/state/placement.py`): "device" keeps as many buckets as fit in `optimizer_device_budget` on a GPU
             (bottom layers and tied embeddings first), stepped there by the optimizer's CUDA kernel with nothing
             crossing PCIe; "host" keeps every bucket in host memory, stepped by the CPU; "auto" is "device" on GPUs
             (one process) with the budget's default share, else "host". Default: "auto".
@@ -331,7 +331,8 @@ class RoundPipeConfig:
             of `gpu_memory_budget` (the other half stays for stages and saved inputs); no limit for CPU workers.
         data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
             `torch.distributed` (one process per machine, each an engine over its local devices; see
-            [Note: data parallel] in `runtime/gloo_exchange.py`). True requires an initialized process group; False
+            [Note: data parallel] in `runtime/distribution/gloo_exchange.py`). True requires an initialized process
+            group; False
             refuses to build an engine in a run of several processes. Default: on when a process group of more than
             one process is initialized.
     """

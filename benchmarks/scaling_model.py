@@ -48,7 +48,7 @@ LINK_EFFICIENCY = 0.8
 BACKWARD_SHARE = 2 / 3
 # Bytes per trainable parameter that each collective's buffer holds: float32 gradients; float32 optimizer copies.
 REDUCE_BYTES, GATHER_BYTES = 4, 4
-# Host bytes (runtime/host_budget.py, bf16 compute and float32 optimizer dtype, AdamW): every parameter's compute
+# Host bytes (runtime/state/host_budget.py, bf16 compute and float32 optimizer dtype, AdamW): every parameter's compute
 # copy; per trainable parameter on every node the optimizer copy (full: the all-gather fills it), the gradient and
 # its spare ([Note: gradient swap]); split over the nodes AdamW's two moments and, with N > 1, the node's range of
 # the reduced gradient (`BucketShard.grad`).
@@ -61,7 +61,7 @@ REDUCED_GRAD_BYTES = 4
 # algorithm bandwidth, buffer bytes / seconds, per stream count (benchmarks/results/gloo_h200_2026-12-01.jsonl,
 # `torchrun --nproc-per-node 2 benchmarks/gloo_bandwidth.py --streams 1,2,4,8,16`, OMP_NUM_THREADS=8). The engine
 # cuts a bucket's collective into up to COLLECTIVE_STREAMS (8) chunks of at least MIN_STREAM_ELEMENTS per rank
-# (`chunk_bounds` in runtime/gloo_exchange.py): small buckets (LoRA adapters) go as one collective.
+# (`chunk_bounds` in runtime/distribution/gloo_exchange.py): small buckets (LoRA adapters) go as one collective.
 GLOO_WORLD = 2
 GLOO_ALGBW_GB_S = {  # streams: (reduce-scatter, all-gather)
     1: (1.463, 0.832),
@@ -73,7 +73,8 @@ GLOO_ALGBW_GB_S = {  # streams: (reduce-scatter, all-gather)
 # step in collectives, and the part of them that overlapped GPU compute.
 SMOKE_COLLECTIVE_S, SMOKE_HIDDEN_S = 2.5058, 0.2985
 AS_BUILT_HIDDEN = SMOKE_HIDDEN_S / SMOKE_COLLECTIVE_S
-COLLECTIVE_STREAMS = 8  # the engine's (runtime/gloo_exchange.py; tests/test_scaling_model.py checks they agree)
+COLLECTIVE_STREAMS = 8  # the engine's (runtime/distribution/gloo_exchange.py; tests/test_scaling_model.py
+# checks they agree)
 
 # The models' config.json numbers (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied).
 SHAPES = {
@@ -173,7 +174,7 @@ def layer_bucket_params(workload: Workload) -> int:
 
 def collective_streams(bucket_params: int, nodes: int) -> int:
     """How many chunks (gloo streams) the engine cuts one collective of a bucket into on `nodes` ranks."""
-    from accelerate_roundpipe.runtime.gloo_exchange import chunk_bounds
+    from accelerate_roundpipe.runtime.distribution.gloo_exchange import chunk_bounds
 
     return len(chunk_bounds(bucket_params // nodes))
 

@@ -11,7 +11,7 @@ import torch
 from test_roundpipe_trainer import common_args, data, make_model, roundpipe_trainer  # noqa: F401 - `data`: a fixture
 from transformers import TrainerCallback
 
-from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.common import faults
 
 STEPS = 12
 

@@ -1,9 +1,9 @@
 """A one-process gradient exchange that records what is asked of it, for the tests that put it in place of the
-engine's `NoExchange` ([Note: gradient exchange] in `runtime/gradient_exchange.py`)."""
+engine's `NoExchange` ([Note: gradient exchange] in `runtime/distribution/gradient_exchange.py`)."""
 
 from __future__ import annotations
 
-from accelerate_roundpipe.runtime.gradient_exchange import NoExchange
+from accelerate_roundpipe.runtime.distribution.gradient_exchange import NoExchange
 
 
 class RecordingExchange(NoExchange):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from accelerate_roundpipe.runtime import measured_plan
+from accelerate_roundpipe.runtime.execution import measured_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import call_summary, run  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.common import faults
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 

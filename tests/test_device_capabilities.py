@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from accelerate_roundpipe import RoundPipeConfig
-from accelerate_roundpipe.runtime.cpu_device import CpuDevice
-from accelerate_roundpipe.runtime.layer_profile import LayerProfile, LayerRun
-from accelerate_roundpipe.runtime.measured_plan import memory_budget_bytes
+from accelerate_roundpipe.runtime.devices.cpu_device import CpuDevice
+from accelerate_roundpipe.runtime.execution.layer_profile import LayerProfile, LayerRun
+from accelerate_roundpipe.runtime.execution.measured_plan import memory_budget_bytes
 from accelerate_roundpipe.telemetry.metrics import gpu_peak_gib
 
 

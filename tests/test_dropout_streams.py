@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import cpu_rng
-from accelerate_roundpipe.runtime.cpu_rng import StreamRandom
+from accelerate_roundpipe.runtime.devices import cpu_rng
+from accelerate_roundpipe.runtime.devices.cpu_rng import StreamRandom
 
 from toy_models import Block, Embed, Head, assert_close, batch, reference_loss_and_grads, tied_model
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import faults
+from accelerate_roundpipe.runtime.common import faults
 
 from toy_models import batch, tied_model
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import EngineClosedError, RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import faults
-from accelerate_roundpipe.runtime.layer_copy import StatefulLayerError
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.execution.layer_copy import StatefulLayerError
 
 
 def small(*extra: nn.Module) -> nn.Sequential:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from accelerate_roundpipe.runtime.sync import EngineClosedError, FailureFlag, Future, ReadWriteOrder, Sequencer
+from accelerate_roundpipe.runtime.common.sync import EngineClosedError, FailureFlag, Future, ReadWriteOrder, Sequencer
 
 
 def run_threads(jobs):

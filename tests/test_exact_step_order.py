@@ -11,9 +11,9 @@ import time
 import torch
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import faults
-from accelerate_roundpipe.runtime.device import Device
-from accelerate_roundpipe.runtime.optimizer import LaggedOptimizer
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.devices.device import Device
+from accelerate_roundpipe.runtime.optimizer.optimizer import LaggedOptimizer
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
@@ -189,7 +189,7 @@ def _clipped_float32(in_optimizer: bool, steps: int = 3):
 def test_a_float32_clip_runs_inside_the_fused_kernel_as_torchs_clip(monkeypatch):
     """[Note: clip in the kernel]: no scaling pass over the gradients, and the weights torch's clip gives (to the
     rounding of a division by the scale against a multiplication by the coefficient)."""
-    from accelerate_roundpipe.runtime.host_store import Bucket
+    from accelerate_roundpipe.runtime.state.host_store import Bucket
 
     reference_norms, reference = _clipped_float32(in_optimizer=False)
     passes = []

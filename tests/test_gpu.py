@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.rng_streams import stream_seed
+from accelerate_roundpipe.runtime.execution.rng_streams import stream_seed
 
 from toy_models import assert_close, batch, reference_loss_and_grads, run_layers, tied_model
 
@@ -171,7 +171,7 @@ def test_weight_waits_are_traced_inside_their_tasks(tmp_path):
 
 
 def test_host_memory_is_page_locked_at_its_exact_size_until_released():
-    from accelerate_roundpipe.runtime.pinned import HostMemory
+    from accelerate_roundpipe.runtime.devices.pinned import HostMemory
 
     memory = HostMemory(pinned=True)
     numel = 3 * 2**20 + 5  # far from a power of two

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.placement import device_bytes_of
+from accelerate_roundpipe.runtime.state.placement import device_bytes_of
 
 from toy_models import assert_close, batch, tied_model
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.grad_buffers import GradBufferPool
-from accelerate_roundpipe.runtime.pinned import HostMemory
+from accelerate_roundpipe.runtime.devices.pinned import HostMemory
+from accelerate_roundpipe.runtime.state.grad_buffers import GradBufferPool
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 

@@ -1,5 +1,6 @@
 """The engine and its optimizer reach other processes only through the gradient exchange they are built with
-([Note: gradient exchange] in `runtime/gradient_exchange.py`): one process has `NoExchange`, and an exchange put in
+([Note: gradient exchange] in `runtime/distribution/gradient_exchange.py`): one process has `NoExchange`, and an
+exchange put in
 its place sees every check, weight broadcast, binding, sum, loss, layout and meeting the engine does."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from exchange_helpers import RecordingExchange
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine_parts
-from accelerate_roundpipe.runtime.whole_buckets import WholeBuckets
+from accelerate_roundpipe.runtime.distribution.whole_buckets import WholeBuckets
+from accelerate_roundpipe.runtime.engine import engine_parts
 
 
 def _engine() -> RoundPipe:

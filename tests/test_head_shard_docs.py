@@ -1,6 +1,6 @@
 """What `head_shards` uploads, said the same in `RoundPipeConfig`'s docstring, docs/configuration.md and
 docs/how-it-works.md: each shard's task uploads only its rows of the lm_head weight and downloads only their gradient
-([Note: row windows] in runtime/host_store.py; measured by tests/models/test_vocab_shards.py::
+([Note: row windows] in runtime/state/host_store.py; measured by tests/models/test_vocab_shards.py::
 test_each_shard_moves_only_its_rows)."""
 
 from __future__ import annotations

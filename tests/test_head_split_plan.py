@@ -20,7 +20,7 @@ from accelerate_roundpipe.plan.shape_costs import layer_costs_from_shape
 from accelerate_roundpipe.plan.simulate import simulate
 from accelerate_roundpipe.plan.simulate_cli import main as simulate_main
 from accelerate_roundpipe.plan.stage_cost_model import PlanSettings, StageCostModel
-from accelerate_roundpipe.runtime.measured_plan import MeasuredPlan
+from accelerate_roundpipe.runtime.execution.measured_plan import MeasuredPlan
 
 GIB = 2**30
 
@@ -212,7 +212,7 @@ def test_the_measured_plan_logs_the_advice_for_a_head_that_can_be_cut(caplog):
         plan = MeasuredPlan.__new__(MeasuredPlan)  # only what `_advise_head_split` reads
         plan.store = type("Store", (), {"layers": [object(), head]})()
         plan.head_advice = None
-        with caplog.at_level("WARNING", logger="accelerate_roundpipe.runtime.measured_plan"):
+        with caplog.at_level("WARNING", logger="accelerate_roundpipe.runtime.execution.measured_plan"):
             caplog.clear()
             plan._advise_head_split(costs, settings(8, 16, math.inf, math.inf))
         assert (plan.head_advice is not None) is expected

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import host_budget
+from accelerate_roundpipe.runtime.state import host_budget
 
 GiB = 2**30
 

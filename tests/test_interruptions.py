@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine_threads, faults
-from accelerate_roundpipe.runtime.sync import InterruptedReservationError
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.common.sync import InterruptedReservationError
+from accelerate_roundpipe.runtime.engine import engine_threads
 
 
 def _small() -> nn.Sequential:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.layer_copy import StatefulLayerError
+from accelerate_roundpipe.runtime.execution.layer_copy import StatefulLayerError
 
 
 class CountsCalls(nn.Module):

@@ -187,8 +187,8 @@ def test_dispatch_takes_each_tasks_input_and_receiver_from_the_lowering(monkeypa
     from torch import nn
 
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-    from accelerate_roundpipe.runtime.dispatch import Dispatcher
-    from accelerate_roundpipe.runtime.jobs import PassResults
+    from accelerate_roundpipe.runtime.execution.dispatch import Dispatcher
+    from accelerate_roundpipe.runtime.execution.jobs import PassResults
 
     enqueued, expected_outputs = [], {}
     original, original_expect = Dispatcher.enqueue, PassResults.expect_outputs

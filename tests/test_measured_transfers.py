@@ -13,8 +13,8 @@ from torch import nn
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.plan.layer_costs import LayerCosts
 from accelerate_roundpipe.plan.partition import Partition, Span
-from accelerate_roundpipe.runtime import measured_plan
-from accelerate_roundpipe.runtime.measured_plan import MeasuredPlan
+from accelerate_roundpipe.runtime.execution import measured_plan
+from accelerate_roundpipe.runtime.execution.measured_plan import MeasuredPlan
 from accelerate_roundpipe.telemetry.summary import PREFIX
 
 from toy_models import batch, tied_model

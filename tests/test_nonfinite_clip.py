@@ -109,8 +109,8 @@ def test_a_non_finite_norm_clips_as_torch_does(kind, async_optimizer):
 def test_squares_past_the_dtypes_largest_value_give_torchs_infinite_norm():
     """Two float32 gradients whose norms are finite but whose summed squares overflow float32: torch's norm of the
     per-tensor norms is infinite, and so is the sum of the buckets' squares."""
-    from accelerate_roundpipe.runtime.step_norm import StepNorm
-    from accelerate_roundpipe.runtime.sync import FailureFlag
+    from accelerate_roundpipe.runtime.common.sync import FailureFlag
+    from accelerate_roundpipe.runtime.stepping.step_norm import StepNorm
 
     grads = [torch.full((1,), 1.41e19), torch.full((1,), 1.41e19)]
     params = [nn.Parameter(torch.zeros(1)) for _ in grads]

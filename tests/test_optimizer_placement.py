@@ -394,7 +394,7 @@ def _one_device_run(monkeypatch, cut_always: bool,
     """Three clipped AdamW steps on one CPU worker with every bucket on the device and the measured plan (after the
     measured pass one fused task holds all layers but the bottom one); the number of passes, of the workers'
     autograd calls, the partition of the passes after the measured one, and the weights at the end."""
-    from accelerate_roundpipe.runtime import worker as worker_module
+    from accelerate_roundpipe.runtime.execution import worker as worker_module
 
     backward_calls: list[int] = []
     real_backward = worker_module._backward

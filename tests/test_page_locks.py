@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-from accelerate_roundpipe.runtime.pinned import HostMemory
+from accelerate_roundpipe.runtime.devices.pinned import HostMemory
 
 
 class RecordingLocks:

@@ -159,7 +159,7 @@ def test_saved_inputs_kept_on_the_reading_worker(monkeypatch, num_devices, expec
     """[Note: saved inputs]: with a memory budget, inputs whose backward runs on the same worker stay there (no host
     round trip), the others take the host path, and the gradients stay exact. Schedule F0 F1 FB B1 B0 dispatched
     round-robin: on 2 devices each forward stage's reader is its own device, on 3 devices never."""
-    from accelerate_roundpipe.runtime.worker import Worker
+    from accelerate_roundpipe.runtime.execution.worker import Worker
 
     kept: list[bool] = []
     original = Worker._save_input
@@ -201,7 +201,7 @@ def test_loss_returns_before_the_fused_backward_and_gradients_stay_exact(monkeyp
     while the pass is still running, and synchronize() then gives the exact gradients."""
     import time
 
-    from accelerate_roundpipe.runtime import worker
+    from accelerate_roundpipe.runtime.execution import worker
 
     original = worker._backward
     finished: list[float] = []

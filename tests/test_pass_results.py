@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.worker import Worker
+from accelerate_roundpipe.runtime.execution.worker import Worker
 
 from toy_models import batch, tied_model
 
@@ -45,7 +45,7 @@ def test_a_saved_input_no_backward_reads_is_reported_when_the_pass_ends(monkeypa
 def test_every_kind_of_pass_ends_with_its_results_taken(monkeypatch, num_devices, recompute):
     """Fused training, forward then backward, evaluation under no_grad and a forward with grad whose backward never
     comes (its saved inputs go with its autograd graph): each pass's results are checked and found empty."""
-    from accelerate_roundpipe.runtime.jobs import PassResults
+    from accelerate_roundpipe.runtime.execution.jobs import PassResults
 
     checked = []
     original = PassResults.check_drained
@@ -74,8 +74,8 @@ def test_every_kind_of_pass_ends_with_its_results_taken(monkeypatch, num_devices
 def test_a_caller_interrupted_while_taking_the_losses_is_not_reported_as_a_leftover(monkeypatch):
     """Ctrl-C while `forward_backward` waits for the losses: the pass's losses stay untaken, and the end-of-pass
     check must not call that a RoundPipe bug at the next pass."""
-    from accelerate_roundpipe.runtime.jobs import PassResults
-    from accelerate_roundpipe.runtime.sync import FailureFlag, Future
+    from accelerate_roundpipe.runtime.common.sync import FailureFlag, Future
+    from accelerate_roundpipe.runtime.execution.jobs import PassResults
 
     def interrupted(self, failure):
         raise KeyboardInterrupt

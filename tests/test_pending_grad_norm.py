@@ -12,8 +12,8 @@ import pickle
 import pytest
 import torch
 
-from accelerate_roundpipe.runtime.step_norm import PendingGradNorm, StepNorm
-from accelerate_roundpipe.runtime.sync import FailureFlag
+from accelerate_roundpipe.runtime.common.sync import FailureFlag
+from accelerate_roundpipe.runtime.stepping.step_norm import PendingGradNorm, StepNorm
 
 SQUARES = 2.0  # the norm is sqrt(2): not a round number, so rounding differences would show
 

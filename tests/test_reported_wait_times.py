@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import engine_threads, faults
-from accelerate_roundpipe.runtime.sync import FailureFlag
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.common.sync import FailureFlag
+from accelerate_roundpipe.runtime.engine import engine_threads
 
 TASKS_PER_PASS = 4  # two forward-side tasks, the fused stage, one backward stage: the last one ends after the loss
 SLOW_S = 2.5

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.device import Device
-from accelerate_roundpipe.runtime.residency import ParamResidency, TaskParams
+from accelerate_roundpipe.runtime.devices.device import Device
+from accelerate_roundpipe.runtime.execution.residency import ParamResidency, TaskParams
 
 from toy_models import tied_model
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from accelerate_roundpipe.runtime.host_store import HostStore
+from accelerate_roundpipe.runtime.state.host_store import HostStore
 
 ROWS, WIDTH = 12, 4
 

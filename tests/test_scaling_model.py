@@ -60,7 +60,7 @@ def test_as_built_is_capped_by_gloo_on_fast_links():
 
 
 def test_streams_follow_the_engines_chunking():
-    from accelerate_roundpipe.runtime import gloo_exchange
+    from accelerate_roundpipe.runtime.distribution import gloo_exchange
 
     assert sm.COLLECTIVE_STREAMS == gloo_exchange.COLLECTIVE_STREAMS
     minimum = gloo_exchange.MIN_STREAM_ELEMENTS
@@ -105,7 +105,7 @@ def test_pipelined_never_slower_than_as_built():
 def test_host_memory_is_the_stores_on_one_node_and_splits_only_adams_state():
     import torch
 
-    from accelerate_roundpipe.runtime.host_budget import store_bytes
+    from accelerate_roundpipe.runtime.state.host_budget import store_bytes
 
     def fp32(dtype):
         return torch.float32

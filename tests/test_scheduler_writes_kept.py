@@ -1,6 +1,6 @@
 """A learning-rate scheduler built on the user's optimizer writes its groups from the caller's thread while the
 optimizer thread steps the previous step's buckets; no such write may be lost: every step runs with the learning
-rate the schedule set before its `step()` ([Note: one owner of the step's groups] in `runtime/steppers.py`)."""
+rate the schedule set before its `step()` ([Note: one owner of the step's groups] in `runtime/stepping/steppers.py`)."""
 
 from __future__ import annotations
 

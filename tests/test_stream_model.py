@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import device as device_module
-from accelerate_roundpipe.runtime.cpu_device import CpuDevice
-from accelerate_roundpipe.runtime.cuda_device import CudaDevice
-from accelerate_roundpipe.runtime.device import Device, Payload
-from accelerate_roundpipe.runtime.stream_model import ModelEvent, StreamModelDevice, StreamOrderError
+from accelerate_roundpipe.runtime.devices import device as device_module
+from accelerate_roundpipe.runtime.devices.cpu_device import CpuDevice
+from accelerate_roundpipe.runtime.devices.cuda_device import CudaDevice
+from accelerate_roundpipe.runtime.devices.device import Device, Payload
+from accelerate_roundpipe.runtime.devices.stream_model import ModelEvent, StreamModelDevice, StreamOrderError
 
 from toy_models import batch, tied_model
 

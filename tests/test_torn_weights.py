@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime import faults
-from accelerate_roundpipe.runtime.torn import TornWeightsError
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.state.torn import TornWeightsError
 
 from toy_models import assert_close
 

@@ -1,5 +1,5 @@
 """One owner for which copy of a bucket holds which weights ([Note: weight versions] in
-`runtime/weight_versions.py`): the transitions, and no write from outside."""
+`runtime/state/weight_versions.py`): the transitions, and no write from outside."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.weight_versions import WeightVersions
+from accelerate_roundpipe.runtime.state.weight_versions import WeightVersions
 
 
 def test_the_transitions_of_a_lagged_and_an_exact_step():

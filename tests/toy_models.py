@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from accelerate_roundpipe.runtime.rng_streams import stream_seed
+from accelerate_roundpipe.runtime.execution.rng_streams import stream_seed
 
 WIDTH = 6
 

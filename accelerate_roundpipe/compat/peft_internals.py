@@ -1,5 +1,5 @@
 """The reaches into PEFT's LoRA layers ([Note: compatibility reaches]). Written against peft 0.21 and torch 2.13.
-Caller: `runtime/layer_copy.py` (each device's copy of a layer).
+Caller: `runtime/execution/layer_copy.py` (each device's copy of a layer).
 
 [Note: LoRA on parameters in layer copies]
 PEFT puts LoRA on a bare parameter (MoE experts' fused 3-D `gate_up_proj` / `down_proj`, reached through

@@ -42,7 +42,8 @@ from ..compat.accelerate_internals import (
     prepared_optimizers,
     turn_off_autocast,
 )
-from ..runtime import RoundPipe, foreign_steps
+from ..runtime import RoundPipe
+from ..runtime.optimizer import foreign_steps
 from .checkpoint import EngineWeights, detached_state_dict, load_engine_extras, save_engine_extras
 from .checkpoint_files import read_optimizer_shard
 from .convert import convert_model, engine_of

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import torch
 
 from ..runtime import RoundPipe
-from ..runtime.saved_weights import model_dtype_parameters
+from ..runtime.engine.saved_weights import model_dtype_parameters
 from .checkpoint_files import (  # noqa: F401 - the file names, imported from here too
     ENGINE_STATE_FILE,
     LAGGED_WEIGHTS_FILE,

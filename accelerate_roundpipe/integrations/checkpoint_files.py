@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import RoundPipe
-from ..runtime.engine_checkpoint import engine_state_problems
+from ..runtime.engine.engine_checkpoint import engine_state_problems
 
 OPTIMIZER_COPIES_FILE = "roundpipe_optimizer_copies{suffix}.safetensors"
 # The weights the next pass computes with under the lagged step, one step older than the saved model

@@ -57,7 +57,7 @@ def convert_model(model: nn.Module, config: RoundPipeConfig) -> tuple[nn.Module,
                          f"machine from one process and reduces gradients across machines itself. Pass the bare "
                          f"model (`model.module`) and list the GPUs in `devices` (env ROUNDPIPE_DEVICES, e.g. "
                          f"'cuda:0,cuda:1').")
-    # Stock loops keep the last, shorter batch of an epoch: [Note: short batches] in runtime/microbatches.py.
+    # Stock loops keep the last, shorter batch of an epoch: [Note: short batches] in runtime/execution/microbatches.py.
     if isinstance(model, nn.Sequential):
         engine = RoundPipe(model, config, allow_short_batches=True)
     else:

@@ -57,7 +57,7 @@ import torch
 from ..compat.accelerate_internals import state_backend
 from ..compat.hf_trainer import compute_loss_process_factor
 from ..compat.torch_internals import backward_node_class, default_group_store, set_default_group_timeout
-from ..runtime.gloo_exchange import DataParallelError
+from ..runtime.distribution.gloo_exchange import DataParallelError
 from .checkpoint_files import CheckpointError, check_shard_name
 
 MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
@@ -178,8 +178,8 @@ DEFERRED, PIPELINE, MIXED, OTHER = "deferred", "pipeline", "mixed", "other"
 def loss_kind(loss: torch.Tensor, max_nodes: int = 100_000) -> str:
     """Which of the engine's autograd nodes `loss` reaches: the fused pass's deferred commit (`DEFERRED`), a
     forward-only pipeline (`PIPELINE`), both (`MIXED`) or neither (`OTHER`)."""
-    from ..runtime.deferred import DeferredLoss
-    from ..runtime.engine import _PipelineBackward
+    from ..runtime.engine.engine import _PipelineBackward
+    from ..runtime.execution.deferred import DeferredLoss
 
     deferred_node, pipeline_node = backward_node_class(DeferredLoss), backward_node_class(_PipelineBackward)
     found = set()

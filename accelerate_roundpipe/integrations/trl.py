@@ -18,7 +18,8 @@ What makes TRL work on the engine:
 - GRPO's completions come from `model.generate`, which runs through the pipeline without a KV cache (each new token
   recomputes the whole sequence, every layer's weights streamed again): exact, and slow for long completions;
 - a PEFT policy without a reference model works as in TRL: the reference log-probabilities come with the adapters
-  disabled, a switch the devices' layer copies follow ([Note: adapter switches] in `runtime/adapter_switches.py`).
+  disabled, a switch the devices' layer copies follow ([Note: adapter switches] in
+  `runtime/execution/adapter_switches.py`).
 
 `trl` is imported when a class is first used, so this module imports without TRL installed.
 """

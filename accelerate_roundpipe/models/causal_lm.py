@@ -49,8 +49,8 @@ from ..compat.hf_models import (
 )
 from ..compat.trl_internals import fused_head_setting, fused_output_class
 from ..config import RoundPipeConfig
-from ..runtime.engine import RoundPipe
-from ..runtime.saved_weights import model_dtype, model_dtype_state_dict
+from ..runtime.engine.engine import RoundPipe
+from ..runtime.engine.saved_weights import model_dtype, model_dtype_state_dict
 from .errors import UnsupportedModelError
 from .kernels import apply_fused_kernels
 from .parts import unwrap_peft

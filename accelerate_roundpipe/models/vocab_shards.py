@@ -28,7 +28,7 @@ Per-token fields (TRL's fused LM head) are not computed by shards: use `head_sha
 Every shard holds the whole lm_head module (one parameter for the user's optimizer, checkpoints and tied
 embeddings), and says with `parameter_rows()` which rows it reads: a task running shard k uploads rows
 [start_k, stop_k) of the weight (and bias) and downloads their gradient only ([Note: row windows] in
-`runtime/host_store.py`), so K shards move one head's bytes between them, not K. Bound that way on a worker, the
+`runtime/state/host_store.py`), so K shards move one head's bytes between them, not K. Bound that way on a worker, the
 shard's `lm_head.weight` *is* its rows; run whole (the split model outside the engine), it slices them itself.
 """
 

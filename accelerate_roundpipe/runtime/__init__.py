@@ -1,7 +1,7 @@
 """Executes a plan: host store, device workers, per-layer events, the CPU optimizer, the engine facade."""
 
-from .engine import RoundPipe
-from .optimizer import LaggedOptimizer, RoundPipeOptimizer
-from .sync import EngineClosedError
+from .common.sync import EngineClosedError
+from .engine.engine import RoundPipe
+from .optimizer.optimizer import LaggedOptimizer, RoundPipeOptimizer
 
 __all__ = ["RoundPipe", "RoundPipeOptimizer", "LaggedOptimizer", "EngineClosedError"]

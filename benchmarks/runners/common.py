@@ -58,7 +58,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
 
 def placement_of(engine) -> dict | None:
     """Where the engine put each trainable bucket's optimizer state: the start summary's line, its counts, the
-    setting and what the engine made of it (`placed_as`; see [Note: optimizer placement] in runtime/placement.py)."""
+    setting and what the engine made of it (`placed_as`; see [Note: optimizer placement] in
+    runtime/state/placement.py)."""
     placement = getattr(engine, "optimizer_placement", None)
     if placement is None:
         return None

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.gloo_exchange import DataParallelError
-from accelerate_roundpipe.runtime.sync import EngineClosedError
+from accelerate_roundpipe.runtime.common.sync import EngineClosedError
+from accelerate_roundpipe.runtime.distribution.gloo_exchange import DataParallelError
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 
@@ -162,7 +162,7 @@ def training_equals_one_process(rank: int, world_size: int, checkpoint_path: str
     """Sync and async, with accumulation, clipping and uneven label masks; the deferred path; a checkpoint at step
     3 resumed into fresh engines (from this rank's shard, and from a one-process optimizer state). The
     collectives go in chunks over several gloo groups, as a large model's do ([Note: data parallel])."""
-    from accelerate_roundpipe.runtime import gloo_exchange
+    from accelerate_roundpipe.runtime.distribution import gloo_exchange
 
     gloo_exchange.MIN_STREAM_ELEMENTS = 8  # this tiny model's buckets then go in several chunks each
     groups_before = len(dist.distributed_c10d._world.pg_map)

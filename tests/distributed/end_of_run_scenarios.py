@@ -80,7 +80,8 @@ def peer_optimizer_fails(rank: int, world_size: int) -> None:
     from torch import nn
 
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-    from accelerate_roundpipe.runtime import faults, gloo_exchange
+    from accelerate_roundpipe.runtime.common import faults
+    from accelerate_roundpipe.runtime.distribution import gloo_exchange
 
     from toy_models import batch, tied_model
 

@@ -33,7 +33,7 @@ def test_four_processes_and_a_shard_of_another_world_size(two_rank_checkpoint):
 
 def test_a_one_process_engine_refuses_a_shard(two_rank_checkpoint):
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-    from accelerate_roundpipe.runtime.gloo_exchange import DataParallelError
+    from accelerate_roundpipe.runtime.distribution.gloo_exchange import DataParallelError
 
     path, _ = two_rank_checkpoint
     engine = RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
@@ -96,7 +96,7 @@ def test_the_data_parallel_setting_without_a_process_group(monkeypatch):
 
 
 def test_large_collectives_are_cut_into_equal_chunks_covering_each_range():
-    from accelerate_roundpipe.runtime.gloo_exchange import COLLECTIVE_STREAMS, chunk_bounds
+    from accelerate_roundpipe.runtime.distribution.gloo_exchange import COLLECTIVE_STREAMS, chunk_bounds
 
     assert chunk_bounds(100, min_elements=1000) == [(0, 100)]  # small: one collective
     for per_rank in (8 * 2**20, 8 * 2**20 + 48, 3 * 2**20):

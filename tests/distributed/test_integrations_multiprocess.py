@@ -6,7 +6,8 @@ optimizer state written per rank, and a resume that repeats the uninterrupted ru
 Two CPU processes: `accelerate launch --cpu --num_processes 2` starts ONE process in accelerate 1.15 (without an
 mpirun hostfile its CPU path is the simple launcher), so the runs use torchrun, as accelerate's multi-GPU launcher
 does, with `ACCELERATE_USE_CPU=true` (the loop's `Accelerator()` then picks MULTI_CPU with gloo) or the Trainer's
-`--use_cpu true`. Skipped until the engine supports data parallelism (`accelerate_roundpipe.runtime.gloo_exchange`).
+`--use_cpu true`. Skipped until the engine supports data parallelism
+(`accelerate_roundpipe.runtime.distribution.gloo_exchange`).
 Each launched run takes tens of seconds on two cores: the whole file is marked slow.
 """
 
@@ -20,7 +21,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("accelerate_roundpipe.runtime.gloo_exchange")
+pytest.importorskip("accelerate_roundpipe.runtime.distribution.gloo_exchange")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "integration_tests"))

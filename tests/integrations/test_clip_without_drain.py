@@ -15,8 +15,8 @@ from integration_unit_helpers import lm_batch, tiny_llama
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.integrations.grad_norm import clip_grad_norm
-from accelerate_roundpipe.runtime import faults
-from accelerate_roundpipe.runtime.step_norm import PendingGradNorm
+from accelerate_roundpipe.runtime.common import faults
+from accelerate_roundpipe.runtime.stepping.step_norm import PendingGradNorm
 
 MAX_NORM = 0.05  # well below the tiny model's gradient norm: the clip is active every step
 

@@ -555,7 +555,7 @@ def test_the_default_group_timeout_follows_wait_timeout_through_compat(monkeypat
 
 def test_the_engines_autograd_nodes_are_recognised_through_compat(monkeypatch):
     from accelerate_roundpipe.integrations import multi_process
-    from accelerate_roundpipe.runtime.deferred import DeferredLoss
+    from accelerate_roundpipe.runtime.execution.deferred import DeferredLoss
 
     loss = torch.ones(2, requires_grad=True).sum()
     assert multi_process.loss_kind(loss) == multi_process.OTHER

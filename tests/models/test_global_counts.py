@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
-from accelerate_roundpipe.runtime import gradient_exchange as gradient_exchange_module
+from accelerate_roundpipe.runtime.distribution import gradient_exchange as gradient_exchange_module
 
 from split_helpers import MOE_FAMILIES, available_families, build_model, make_batch, reference_loss
 

@@ -313,8 +313,8 @@ def test_two_workers_run_one_layer_with_lora_on_its_experts_at_once():
     import threading
 
     from accelerate_roundpipe.models import split_causal_lm
-    from accelerate_roundpipe.runtime.host_store import Binding
-    from accelerate_roundpipe.runtime.layer_copy import LayerCopy
+    from accelerate_roundpipe.runtime.execution.layer_copy import LayerCopy
+    from accelerate_roundpipe.runtime.state.host_store import Binding
 
     model = lora_on_experts("qwen3_moe", "target_modules", aux=False)
     split = split_causal_lm(model)

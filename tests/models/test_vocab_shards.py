@@ -13,8 +13,8 @@ from torch import nn
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from accelerate_roundpipe.models import split_causal_lm
 from accelerate_roundpipe.models.vocab_shards import VocabShard, shard_bounds
-from accelerate_roundpipe.runtime.device import Device
-from accelerate_roundpipe.runtime.host_store import Bucket
+from accelerate_roundpipe.runtime.devices.device import Device
+from accelerate_roundpipe.runtime.state.host_store import Bucket
 
 from split_helpers import (
     VOCAB,

@@ -1,0 +1,1 @@
+"""Primitives every runtime layer uses: thread hand-offs, failure flags, fault injection."""

@@ -1,0 +1,111 @@
+"""The engine's collaborators, each built with what it needs, in the order they depend on each other: the engine
+(`RoundPipe`) takes them whole and wires nothing afterwards. The one exception is what only exists later: the
+optimizer, wrapped at `wrap_optimizer`, which the engine hands to its owners through named methods
+(`EngineThreads.use_optimizer`, `TornGuard.follow_optimizer`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...config import RoundPipeConfig
+from ...plan.partition import plan_partition
+from ...telemetry.trace import TraceRecorder
+from ..common.sync import FailureFlag
+from ..devices.device import Device, use_expandable_segments
+from ..distribution.gloo_exchange import DataParallelGroup
+from ..distribution.gradient_exchange import NoExchange, gradient_exchange
+from ..execution.adapter_switches import AdapterSwitches
+from ..execution.deferred import DeferredPasses
+from ..execution.dispatch import Dispatcher
+from ..execution.measured_plan import MeasuredPlan
+from ..execution.microbatches import MicrobatchPolicy
+from ..state.host_store import HostStore
+from ..state.torn import TornGuard
+from .engine_checkpoint import PassCounts
+from .engine_threads import EngineThreads
+from .pass_launch import PassLauncher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class EngineParts:
+    devices: list[Device]
+    exchange: NoExchange | DataParallelGroup  # [Note: gradient exchange]
+    store: HostStore
+    failure: FailureFlag
+    passes: PassCounts  # the RNG streams' base seed and keys ([Note: RNG streams of passes])
+    trace: TraceRecorder | None
+    plan: MeasuredPlan
+    microbatches: MicrobatchPolicy
+    dispatch: Dispatcher
+    deferred: DeferredPasses
+    threads: EngineThreads
+    torn: TornGuard
+    launch: PassLauncher
+
+
+def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: RoundPipeConfig,
+                       allow_short_batches: bool) -> EngineParts:
+    devices = [Device(d, i) for i, d in enumerate(config.resolved_devices())]
+    uses_cuda = any(d.is_cuda for d in devices)
+    if uses_cuda and use_expandable_segments():
+        logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "
+                    "to choose the allocator settings yourself).")
+    pin = config.pin_memory if config.pin_memory is not None else uses_cuda
+    if pin and not torch.cuda.is_available():
+        raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "
+                         "and this machine has none. Set pin_memory=False (ROUNDPIPE_PIN_MEMORY=0) or leave it "
+                         "unset.")
+    names = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    exact_steps = not config.resolved_async_optimizer or bool(config.async_warmup_steps)
+    # One process, or one rank of a data-parallel group over torch.distributed ([Note: gradient exchange]).
+    exchange = gradient_exchange(config.data_parallel, config.resolved_wait_timeout_s)
+    store = HostStore(list(pipeline), config.param_dtype, config.optimizer_dtype, pin, names,
+                      pin_optimizer_copies=exact_steps, pad_multiple=exchange.pad_multiple)
+    exchange.check_same("the engine settings", _settings_every_rank_shares(config, len(devices), len(pipeline), store))
+    exchange.broadcast_weights(store)
+    partition = plan_partition(len(pipeline), forward_stages=config.forward_stages,
+                               backward_stages=config.backward_stages)
+    failure = FailureFlag(config.resolved_wait_timeout_s)
+    passes = PassCounts(config.seed if config.seed is not None else torch.initial_seed())
+    dp = exchange.group  # one trace file per rank ([Note: one trace per rank])
+    trace = TraceRecorder(config.trace_path, dp.rank if dp else None, exchange.world_size) \
+        if config.trace_path else None
+    plan = MeasuredPlan(config, devices, store)  # [Note: measured plan]
+    # `allow_short_batches`: see [Note: short batches].
+    microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches)
+    dispatch = Dispatcher(config, devices, store, failure, plan, trace)
+    deferred = DeferredPasses(store, failure)
+    threads = EngineThreads(dispatch, deferred, failure, exchange)
+    # Run at exit ([Note: clean exit under data parallelism]) or when dropped: the threads exist only now.
+    exchange.bind(failure, threads.finish_collectives)
+    # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).
+    torn = TornGuard(store.buckets, failure)
+
+    def is_trainable(param: nn.Parameter) -> bool:
+        """Whether the host store keeps an optimizer copy (and gradients) for the user's `param`."""
+        return store.buckets[store.bucket_of[id(param)][0]].trainable
+
+    adapters = AdapterSwitches(list(pipeline), is_trainable)  # [Note: adapter switches]
+    launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes)
+    return EngineParts(devices, exchange, store, failure, passes, trace, plan, microbatches, dispatch, deferred,
+                       threads, torn, launch)
+
+
+def _settings_every_rank_shares(config: RoundPipeConfig, num_devices: int, num_layers: int,
+                                store: HostStore) -> dict[str, Any]:
+    return {"number of devices": num_devices, "num_microbatches": config.num_microbatches,
+            "microbatches_per_round": config.microbatches_per_round,
+            "async_optimizer": config.resolved_async_optimizer, "async_warmup_steps": config.async_warmup_steps,
+            "param_dtype": str(config.param_dtype), "optimizer_dtype": str(config.optimizer_dtype),
+            "number of layers": num_layers,
+            "buckets (layers, trainable, elements, dtype)": [[list(b.layers), b.trainable, b.compute.numel(),
+                                                              str(b.compute.dtype)] for b in store.buckets]}

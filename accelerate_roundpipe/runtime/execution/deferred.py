@@ -1,0 +1,131 @@
+"""[Note: deferred gradient commit] and everything that implements it: routing a deferred pass's gradients,
+resolving them once the loss's gradient is known (or dropping them), and the loss's autograd node."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..common.sync import FailureFlag, SerialExecutor
+from ..state.host_store import Bucket, HostStore
+
+
+@dataclass(eq=False)
+class DeferredCommit:
+    """Gradients of one fused pass, committed once the loss's backward says by how much to scale them.
+
+    [Note: deferred gradient commit]
+    A stock loop calls `loss = model(**batch).loss; (loss * c).backward()`. The fused pass already ran the backward
+    with the scale `expected_scale` (c0); the loss's autograd node then resolves it with the real c:
+    - a bucket whose gradient buffer was empty when the pass first committed to it was written directly ("owned"):
+      nothing more to do when c == c0, one in-place multiply by c/c0 otherwise, invalidated if dropped;
+    - a bucket that already held gradients (accumulation) got the pass's gradients in `bucket.pending`, added
+      with the factor c/c0 at resolution, discarded if dropped.
+    A pass never resolved is dropped at the next pass, `optimizer.step()` or `zero_grad()`. Resolution runs as
+    ticketed gradient operations, so it is ordered after the pass's commits and before anything reserved later.
+    """
+
+    expected_scale: float
+    owned: dict[int, bool] = field(default_factory=dict)  # bucket -> committed straight into the empty grad buffer
+    pending_started: set[int] = field(default_factory=set)
+    resolved: bool = False
+
+
+def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor,
+                 window: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """Where a deferred pass's gradients (of the elements `window`, [Note: row windows]) go; returns what to commit
+    directly into the gradient buffer."""
+    if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
+        return grad
+    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window)
+    deferred.pending_started.add(bucket.index)
+    return None
+
+
+def resolve_job(deferred: DeferredCommit, bucket: Bucket, ticket: int, ratio: float | None,
+                failure: FailureFlag) -> Callable[[], None]:
+    """A host job committing one bucket's deferred gradients scaled by `ratio` (c / c0), or dropping them (None)."""
+
+    def resolve_bucket() -> None:
+        bucket.grads.begin(ticket, failure, f"gradients of {bucket} for a deferred commit")
+        try:
+            owned = deferred.owned.get(bucket.index)
+            if owned is None:
+                return  # the pass left no gradient in this bucket
+            if owned and ratio is None:
+                bucket.clear()
+            elif owned and ratio != 1.0:
+                bucket.scale(ratio)
+            elif not owned and ratio is not None:
+                bucket.commit_pending(ratio)
+        finally:
+            bucket.grads.end(ticket)
+
+    return resolve_bucket
+
+
+class DeferredPasses:
+    """An engine's deferred passes: the one whose loss awaits its backward, and their resolution, run as ticketed
+    gradient operations on a host thread of their own (started at the first resolution).
+
+    The lagged optimizer holds this object (not the engine) to drop a pass never back-propagated before it steps
+    or clears the gradients."""
+
+    def __init__(self, store: HostStore, failure: FailureFlag) -> None:
+        self.store = store
+        self.failure = failure
+        self.expected_scale = 1.0  # the scale a deferred loss's backward is expected to bring (c0)
+        self.host_ops: SerialExecutor | None = None
+        self._pending: DeferredCommit | None = None
+
+    def expect_scale(self, scale: float) -> None:
+        """Deferred passes from now on expect their loss's backward to bring gradient `scale`."""
+        self.expected_scale = scale
+
+    def awaiting_backward(self, deferred: DeferredCommit) -> None:
+        """`deferred`'s loss went to the caller: drop the pass at the next `drop_pending()` unless it is resolved."""
+        self._pending = deferred
+
+    def drop_pending(self) -> None:
+        """Drop the gradients of a deferred pass whose loss was never back-propagated."""
+        if self._pending is not None:
+            self.resolve(self._pending, None)
+
+    def resolve(self, deferred: DeferredCommit, scale: float | None) -> None:
+        """Commit (`scale` = the loss's gradient) or drop (`None`) a deferred pass's gradients."""
+        if deferred.resolved:
+            raise RuntimeError("backward ran twice through the same RoundPipe loss; its gradients were already "
+                               "committed (or dropped by a later pass or optimizer step).")
+        deferred.resolved = True
+        if self._pending is deferred:
+            self._pending = None
+        ratio = None if scale is None else scale / deferred.expected_scale
+        if self.host_ops is None:
+            self.host_ops = SerialExecutor(self.failure, "roundpipe-host-ops")
+        with self.failure.reserving("a deferred pass's commit"):  # [Note: interrupted reservations]
+            for bucket in self.store.trainable_in_backward_order:
+                ticket = bucket.grads.reserve()
+                self.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
+
+    def wait_idle(self) -> None:
+        if self.host_ops is not None:
+            self.host_ops.wait_idle()
+
+
+class DeferredLoss(torch.autograd.Function):
+    """The loss of a deferred fused pass: its backward commits the pass's gradients scaled by the incoming
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, engine, passes: DeferredPasses, deferred: DeferredCommit, anchor: torch.Tensor,
+                loss: torch.Tensor):
+        # The loss keeps its engine, and so the engine's threads, alive until it is back-propagated or dropped.
+        ctx.engine, ctx.passes, ctx.deferred = engine, passes, deferred
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.passes.resolve(ctx.deferred, float(grad))
+        return None, None, None, None, None

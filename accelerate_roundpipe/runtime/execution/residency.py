@@ -1,0 +1,225 @@
+"""Parameter residency on one device: a task's parameters uploaded, bound into the layer copies, then released.
+
+The host buffers are read under read tickets ([Note: per-layer events]); each bucket's upload is issued as soon as
+the version its task needs is written ([Note: uploads as versions land]), the next task's written buckets already
+while the current task computes (`prefetch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..common.sync import FailureFlag
+from ..devices.device import Device
+from ..devices.payload import NO_SPAN
+from ..state.host_store import Binding, HostStore
+from .jobs import TaskJob
+from .layer_copy import LayerCopy
+
+NO_TIMING = contextlib.nullcontext()  # uploads of a pass that is not measured
+
+
+class TaskParams:
+    """Parameters of one task on the device.
+
+    `flats[b]` is bucket b's compute copy on the device, allocated when the task is taken and filled by uploads
+    issued in ticket order as the bucket's version is written ([Note: uploads as versions land]); `events[b]` is
+    the copy event of an issued upload, waited for on the compute stream only when the first layer using the bucket
+    runs (`pending`). For a task that computes gradients, every trainable parameter is a leaf view of its flat whose
+    `.grad` is preset to a view of a zeroed flat `grads[b]`: autograd then accumulates each micro-batch's gradients
+    in place into one flat buffer per bucket, ready to download as is (views that require grad on a flat that
+    requires grad would instead cost a full-size zero tensor per parameter per backward). `tickets` are the read
+    tickets not yet ended (held until the copies have read the host), `unissued` those whose upload is not issued
+    yet: always a suffix of `tickets`. `windows[b]` are the elements [start, stop) of bucket b that `flats[b]` holds:
+    the whole bucket, or the rows the task's layers read ([Note: row windows]).
+    """
+
+    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "newest", "profile")
+
+    def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
+                 tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
+        self.flats = flats
+        self.profile = profile  # the pass's LayerProfile while it is measured: its uploads are timed
+        self.windows = windows
+        self.newest = newest  # an evaluation pass reads the newest weights ([Note: looking changes nothing])
+        self.tickets = list(tickets)
+        self.unissued = list(tickets)
+        self.events: dict[int, object] = {}
+        self.pending: set[int] = set()
+        self.grads: dict[int, torch.Tensor] = {}
+
+    def mark_issued(self, batch: list[tuple[int, int]], events: list) -> None:
+        del self.unissued[:len(batch)]
+        for (bucket_index, _), event in zip(batch, events):
+            self.events[bucket_index] = event
+            if event is not None:
+                self.pending.add(bucket_index)
+
+
+class ParamResidency:
+    """Which parameters one device holds: the layer copies, the uploads in flight and the task bound right now."""
+
+    def __init__(self, device: Device, store: HostStore, failure: FailureFlag) -> None:
+        self.device = device
+        self.store = store
+        self.failure = failure
+        self.copies: dict[int, LayerCopy] = {}
+        self._prefetched: dict[int, TaskParams] = {}  # id(job) -> its parameters, some uploads already in flight
+        self._bound: range = range(0)  # layers whose copies hold the running task's tensors
+
+    def copy(self, layer_index: int) -> LayerCopy:
+        copy = self.copies.get(layer_index)
+        if copy is None:
+            copy = LayerCopy(self.store.layers[layer_index], layer_index, self.store.layer_bindings[layer_index],
+                             self.device.device)
+            self.copies[layer_index] = copy
+        return copy
+
+    def _allocate(self, job: TaskJob) -> TaskParams:
+        indices = [b for b, _ in job.read_tickets]
+        windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
+        flats = self.device.empty_params([self.store.buckets[b].compute[slice(*windows[b])] for b in indices])
+        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.plan.reads_newest,
+                          profile=job.results.profile)
+
+    def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
+        """[Note: uploads as versions land]
+        Issue `params`' uploads in ticket order, each once its bucket's version is written: waiting (in the worker
+        thread) for the buckets in `need` and those before them, then going on with any later ones already written,
+        without waiting. Uploading a whole task's buckets only once every version was written made the first layer
+        of an iteration wait for the optimizer's very last write-back (with the exact step, the next forward
+        started only after the whole host step, then waited for a 4 GB upload); issued as versions land, the copies
+        overlap the step and the first layers compute while the optimizer still writes the layers above. Issue
+        order stays ticket (bottom-up) order: the copies run in that order on one stream, which is the order
+        layers need them and what `release_landed` relies on."""
+        buckets = self.store.buckets
+        while params.unissued:
+            need_more = any(b in need for b, _ in params.unissued)
+            batch: list[tuple[int, int]] = []
+            for bucket_index, epoch in params.unissued:
+                bucket = buckets[bucket_index]
+                if bucket.reads.version < epoch and (batch or not need_more):
+                    break  # not written yet: issue what is ready first; wait for it only on a later round
+                bucket.reads.begin_read(epoch, self.failure, f"{bucket} version {epoch} for the next task")
+                batch.append((bucket_index, epoch))
+            if not batch:
+                return
+            hosts = [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch]
+            crossing = sum(h.numel() * h.element_size() for h in hosts if h.device.type == "cpu")
+            timed = params.profile.measure_upload(self.device, crossing) \
+                if params.profile is not None and crossing else NO_TIMING
+            with timed:
+                events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts)
+            params.mark_issued(batch, events)
+            if not need_more:
+                return
+
+    def release(self, params: TaskParams) -> None:
+        """End the task's read tickets once the copies have read the host buffers (they run in order on one
+        stream: the last event covers them all). A bucket whose upload was never issued was never read."""
+        last = next((params.events[b] for b, _ in reversed(params.tickets) if params.events.get(b) is not None),
+                    None)
+        if last is not None:
+            last.synchronize()
+        params.unissued = []
+        self._end_reads(params, len(params.tickets))
+
+    def release_landed(self, params: TaskParams) -> None:
+        """[Note: early read release]
+        Release the read tickets of the buckets whose copies have landed, without waiting for the others. A read
+        ticket only has to outlive the copy out of the host buffer, not the task: held to the task's end, it made
+        the next write-back of that bucket (and, behind it on the optimizer thread, every later step) wait for a
+        whole pass. With the exact (sync) optimizer that serialised the step of iteration k behind iteration k's
+        last task, so the next iteration found none of its weights ready. The copies run in ticket order on one
+        stream, so the landed ones are a prefix of the issued ones: the first copy still in flight ends the scan."""
+        landed = 0
+        for bucket_index, _ in params.tickets[:len(params.tickets) - len(params.unissued)]:
+            event = params.events.get(bucket_index)
+            if event is not None and not event.query():
+                break
+            landed += 1
+        self._end_reads(params, landed)
+
+    def _end_reads(self, params: TaskParams, count: int) -> None:
+        """End the first `count` read tickets of `params`."""
+        for bucket_index, epoch in params.tickets[:count]:
+            self.store.buckets[bucket_index].reads.end_read(epoch)
+        params.tickets = params.tickets[count:]
+
+    def take(self, job: TaskJob) -> TaskParams:
+        """`job`'s parameters on the device: the prefetched ones, else allocated now, with the uploads of every
+        version already written issued ([Note: uploads as versions land])."""
+        params = self._prefetched.pop(id(job), None) or self._allocate(job)
+        self._issue(params)
+        return params
+
+    def prefetch(self, job: TaskJob | None) -> None:
+        """Start the uploads of the next queued `job` that are already written (they overlap this task's compute);
+        nothing is allocated for it while its first bucket is not written."""
+        if job is None or id(job) in self._prefetched or not job.read_tickets:
+            return
+        first, epoch = job.read_tickets[0]
+        if self.store.buckets[first].reads.version >= epoch:
+            params = self._allocate(job)
+            self._issue(params)
+            self._prefetched[id(job)] = params
+
+    def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
+        """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
+        if with_grad:
+            for bucket_index, flat in params.flats.items():
+                if self.store.buckets[bucket_index].trainable:
+                    params.grads[bucket_index] = torch.zeros_like(flat)
+        tensors: dict[tuple, torch.Tensor] = {}
+
+        def tensor_for(binding: Binding) -> torch.Tensor:
+            """One tensor per parameter use (tied uses share it): a view of the task's flat, a leaf whose `.grad` is
+            preset to the same view of its gradient flat."""
+            key = (binding.bucket_index, binding.slot_index, binding.window)
+            tensor = tensors.get(key)
+            if tensor is None:
+                tensor = tensors[key] = self._view(params, binding)
+            return tensor
+
+        for layer in job.task.span.layers:
+            self.copy(layer).bind(tensor_for)
+        self._bound = job.task.span.layers
+
+    def _view(self, params: TaskParams, binding: Binding) -> torch.Tensor:
+        slot = self.store.buckets[binding.bucket_index].slots[binding.slot_index]
+        start, stop = binding.window or (slot.offset, slot.offset + slot.numel)
+        shape = binding.shape or slot.shape
+        offset = params.windows[binding.bucket_index][0]
+        view = params.flats[binding.bucket_index][start - offset:stop - offset].view(shape)
+        grad = params.grads.get(binding.bucket_index)
+        if grad is not None:
+            view.requires_grad_(True)
+            view.grad = grad[start - offset:stop - offset].view(shape)
+        return view
+
+    def await_layer(self, params: TaskParams, layer_index: int) -> None:
+        """Make the compute stream wait for the buckets of `layer_index`, issuing their uploads first if they are
+        not issued yet (waiting for their versions: [Note: uploads as versions land])."""
+        self.release_landed(params)  # [Note: early read release]
+        if not params.pending and not params.unissued:
+            return
+        needed = self.store.layer_buckets[layer_index]
+        waits = self.device.traces_weight_waits and (
+            any(b in params.pending for b in needed) or any(b in needed for b, _ in params.unissued))
+        begin, finish = self.device.weights_wait(layer_index) if waits else NO_SPAN
+        begin()
+        if params.unissued:
+            self._issue(params, need={b for b, _ in params.unissued if b in needed})
+        for bucket_index in needed:
+            if bucket_index in params.pending:
+                params.pending.discard(bucket_index)
+                self.device.use_params([params.flats[bucket_index]], params.events[bucket_index])
+        finish()
+
+    def unbind(self) -> None:
+        """Unbind the running task's layer copies (once: before its last commit, else when it ends)."""
+        for layer in self._bound:
+            self.copy(layer).unbind()
+        self._bound = range(0)

@@ -1,0 +1,98 @@
+"""The two ways one optimizer step is scheduled on the optimizer thread: exact (the default) and lagged by one
+iteration (`async_optimizer`). Both step each bucket the same way (`RoundPipeOptimizer._step_buckets`); they differ
+in the tickets they reserve and in when the stepped weights reach the compute copies ([Note: one-step lag]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..common.sync import wait_for_any_turn
+from ..state.host_store import Bucket
+from ..stepping.clip import GradientClip
+
+if TYPE_CHECKING:
+    from .optimizer import RoundPipeOptimizer
+
+
+class ExactStep:
+    """Iteration k+1 reads the weights after step k: each bucket steps in its write turn, straight into the
+    optimizer copy the next uploads read ([Note: exact step without write-back])."""
+
+    @staticmethod
+    def reserve(bucket: Bucket) -> tuple[Bucket, int, int]:
+        """An exact step's turns of `bucket` (its gradients, its write), and the new version its readers will get."""
+        bucket.versions.reserve_new_version()
+        return bucket, bucket.grads.reserve(), bucket.reads.reserve_write()
+
+    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
+        entries = [self.reserve(bucket) for bucket in optimizer.step_order]
+        optimizer.thread.submit(self.job(optimizer, entries, hyper, clip))
+        optimizer.stepped_without_write_back(optimizer.step_order)
+
+    @staticmethod
+    def job(optimizer: RoundPipeOptimizer, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+             clip: GradientClip | None) -> Callable[[], None]:
+        """[Note: exact step order]
+        One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
+        in backward order), always taking, among the buckets whose gradients are final, the lowest one: the next
+        iteration's forward needs the bottom layers first. While the backward runs that is simply each bucket as it
+        lands (top layers first); what is still waiting when the backward ends (the bottom layers, which land last;
+        every layer when a clip needs the global norm first) then goes bottom-up, so the next forward starts as
+        soon as its first layers are written ([Note: uploads as versions land]) instead of after the whole step.
+        Each bucket's step is written where the next upload reads it ([Note: exact step without write-back]).
+        Each bucket's step is independent of the others', so the order changes no result. Under data parallelism
+        the order is fixed instead, the same on every rank ([Note: data parallel]): backward order, or bottom-up
+        after a clip (whose jobs reduced every bucket first)."""
+        failure = optimizer.failure
+
+        def step_in_fixed_order() -> None:
+            for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
+                failure.check()
+                optimizer._exact_steps([(bucket, grad_ticket, write_ticket)], hyper, clip)
+
+        if optimizer.layout.fixed_order:
+            return step_in_fixed_order
+
+        def step_as_gradients_land() -> None:
+            pending = list(entries)
+            while pending:
+                failure.check()  # one job for every bucket: stop at a failure as the job queue would
+                ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], failure,
+                                          f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
+                entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
+                # a device bucket goes with the other device buckets ready: [Note: device steps in one call]
+                on_device = entry[0].home is not None
+                batch = [pending[i] for i in ready if pending[i][0].home is not None] if on_device else [entry]
+                for each in batch:
+                    pending.remove(each)
+                optimizer._exact_steps(batch, hyper, clip)
+
+        return step_as_gradients_land
+
+
+class LaggedStep:
+    """Iteration k+1 computes with the weights after step k-1 while step k runs beside it: each bucket steps as its
+    gradients are final, and its write-back waits until the next iteration reserved its reads.
+
+    [Note: device steps are exact]
+    A bucket whose optimizer state lives on a device ([Note: optimizer placement]) steps exactly even here: the lag
+    exists to hide the host's step behind the next iteration, and a device step (well under a millisecond a layer)
+    has nothing to hide. So with `async_optimizer` the buckets on the host lag by one step and those on a device do
+    not; with every bucket on a device the lagged step is the exact one."""
+
+    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
+        # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
+        # entitled to back into the compute copies ([Note: exact step without write-back]).
+        optimizer.write_back_stale()
+        # [Note: device steps are exact]: the device buckets first, as an exact step of their own (together and
+        # bottom-up), so the next forward never waits behind the host's lagged steps, which the lag hides anyway.
+        on_device = [ExactStep.reserve(bucket) for bucket in optimizer.step_order if bucket.home is not None]
+        if on_device:
+            optimizer.thread.submit(ExactStep.job(optimizer, on_device, hyper, clip))
+        for bucket in optimizer.step_order:  # backward order: each job waits only for its own bucket's gradients
+            if bucket.home is None:
+                turn = (bucket, bucket.grads.reserve())
+                optimizer.thread.submit(lambda turn=turn: optimizer._step_buckets([turn], hyper, clip))
+                optimizer.hold_writeback(bucket)

@@ -1,0 +1,217 @@
+"""Host store: every parameter, its optimizer copy and its gradient, in flat per-layer buffers on the CPU.
+
+A *bucket* is one flat buffer of parameters that are always uploaded together: the parameters used by exactly one
+layer (per dtype and trainability), or a parameter shared by several layers (tied weights), stored once. Each
+bucket holds
+- `compute`: the compute copy (param dtype, pinned when a GPU is used); the user's module parameters are re-pointed
+  to views of it, so `engine.module` always shows the compute copy;
+- `optim`: the optimizer copy (optimizer dtype) whose views are the `nn.Parameter`s handed to the optimizer;
+- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies. A commit into an
+  empty buffer swaps the downloaded buffer in ([Note: gradient swap]): read `bucket.grad` afresh, never keep it.
+Frozen (requires_grad=False) parameters get a compute copy only: no optimizer state, no gradient traffic.
+
+[Note: row windows]
+A layer may read only some rows of a parameter: a vocabulary shard reads rows [start, stop) of the lm_head weight
+([Note: vocabulary shards]). It says so with `parameter_rows()` (the parameter's name inside the layer -> its row
+range). Its `Binding` then carries that *window* of the bucket (elements, contiguous: rows of a row-major tensor),
+and a task uploads, binds and sends back gradients for only the union of its layers' windows of each bucket
+(`HostStore.window`), not the whole bucket. The buckets, the optimizer and its parameters stay whole: one parameter,
+one bucket, one optimizer step, whatever the layers that read it. A windowed commit adds into its rows of the
+bucket's gradient (`Bucket.commit`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..devices.pinned import HostMemory
+from . import host_budget
+from .bucket import Bucket, ParamSlot
+from .grad_buffers import GradBufferPool
+from .weight_versions import StepCount
+
+__all__ = ["Bucket", "HostStore", "ParamSlot", "StepCount"]
+
+ALIGN = 16  # elements; keeps every parameter view aligned for vectorised kernels
+PROGRESS_MIN_PARAMS = 200_000_000  # models this large show a progress bar while the host store is built
+
+
+def _align(n: int, multiple: int = ALIGN) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def optimizer_dtype_for(param_dtype: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    if requested is not None:
+        return requested
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
+def _binding(module_path: str, attr: str, bucket_index: int, slot: ParamSlot, slot_index: int,
+             rows: tuple[int, int] | None) -> Binding:
+    """The binding of one parameter use; `rows`: the row range the layer reads, if not all ([Note: row windows])."""
+    if rows is None:
+        return Binding(module_path, attr, bucket_index, slot_index)
+    start, stop = rows
+    num_rows = slot.shape[0] if len(slot.shape) else 0
+    if not 0 <= start < stop <= num_rows:
+        raise ValueError(f"parameter_rows() of a layer gives rows {start}..{stop} of {slot.name}, which has "
+                         f"{num_rows} rows.")
+    row = slot.numel // num_rows
+    window = (slot.offset + start * row, slot.offset + stop * row)
+    return Binding(module_path, attr, bucket_index, slot_index, window, torch.Size((stop - start, *slot.shape[1:])))
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where one parameter use inside a layer gets its tensor from."""
+
+    module_path: str  # submodule path inside the layer ("" = the layer itself)
+    attr: str
+    bucket_index: int
+    slot_index: int
+    # The elements [start, stop) of the bucket the layer reads and the shape it sees them in, when it reads only
+    # some rows of the parameter ([Note: row windows]); None: the whole parameter.
+    window: tuple[int, int] | None = None
+    shape: torch.Size | None = None
+
+
+class HostStore:
+    def __init__(self, layers: list[nn.Module], param_dtype: torch.dtype | None,
+                 optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str],
+                 pin_optimizer_copies: bool = False, pad_multiple: int = 1) -> None:
+        self.layers = layers
+        # Trainable buckets are padded to a multiple of this: equal per-rank ranges ([Note: data parallel]).
+        self.pad_multiple = pad_multiple
+        self.pin_memory = pin_memory
+        # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]).
+        self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
+        self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
+        self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
+        users: dict[int, list[int]] = {}  # id(param) -> layers using it
+        params: dict[int, nn.Parameter] = {}
+        for layer_index, layer in enumerate(layers):
+            for _, p in layer.named_parameters(remove_duplicate=False):
+                params[id(p)] = p
+                if layer_index not in users.setdefault(id(p), []):
+                    users[id(p)].append(layer_index)
+
+        # One bucket per (set of layers using it, trainable, dtype): tied weights get a bucket of their own.
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for pid, p in params.items():
+            groups.setdefault((tuple(users[pid]), p.requires_grad, param_dtype or p.dtype), []).append(p)
+
+        entries = [(p.numel(), param_dtype or p.dtype, p.requires_grad) for p in params.values()]
+        # What the store will hold with AdamW state (the engine's start summary shows it too).
+        self.estimated_bytes = host_budget.store_bytes(entries, lambda d: optimizer_dtype_for(d, optimizer_dtype))
+        freed = sum(p.numel() * p.element_size() for p in params.values())
+        host_budget.warn_if_short(self.estimated_bytes, freed=freed)
+
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
+        order = sorted(groups, key=lambda k: (min(k[0]), k[0], not k[1], str(k[2])))
+        total = sum(p.numel() for p in params.values())
+        # Pinning a multi-GB model takes a while: show it (tqdm hides itself when not on a terminal-like stream).
+        progress = tqdm(total=total, unit="param", unit_scale=True, desc="RoundPipe: host store",
+                        disable=total < PROGRESS_MIN_PARAMS, leave=False)
+        for layer_ids, trainable, dtype in order:
+            members = groups[(layer_ids, trainable, dtype)]
+            self.buckets.append(self._make_bucket(len(self.buckets), layer_ids, trainable, dtype, optimizer_dtype,
+                                                  members, names))
+            progress.update(sum(p.numel() for p in members))
+        progress.close()
+
+        self.layer_bindings: list[list[Binding]] = []
+        self.layer_buckets: list[list[int]] = []
+        self._windows: dict[tuple[int, int, int], tuple[int, int]] = {}  # (span, bucket) -> window
+        for layer in layers:
+            rows = layer.parameter_rows() if hasattr(layer, "parameter_rows") else {}
+            bindings, used = [], []
+            for module_path, module in layer.named_modules(remove_duplicate=False):
+                for attr, p in module._parameters.items():
+                    if p is None:
+                        continue
+                    bucket_index, slot_index = self.bucket_of[id(p)]
+                    name = f"{module_path}.{attr}" if module_path else attr
+                    slot = self.buckets[bucket_index].slots[slot_index]
+                    bindings.append(_binding(module_path, attr, bucket_index, slot, slot_index, rows.get(name)))
+                    if bucket_index not in used:
+                        used.append(bucket_index)
+            self.layer_bindings.append(bindings)
+            self.layer_buckets.append(sorted(set(used)))
+
+    def _make_bucket(self, index, layer_ids, trainable, dtype, optimizer_dtype, members, names) -> Bucket:
+        slots, offset = [], 0
+        for p in members:
+            slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape,
+                                   model_dtype=p.dtype))
+            offset += _align(p.numel())
+        compute = self.memory.zeros(_align(max(offset, 1), self.pad_multiple if trainable else 1), dtype)
+        optim = grad = None
+        if trainable:
+            odtype = optimizer_dtype_for(dtype, optimizer_dtype)
+            # Uploaded by exact steps ([Note: exact step without write-back]), else read by the CPU only.
+            optim = (self.memory.zeros(compute.numel(), odtype) if self.pin_optimizer_copies
+                     else torch.zeros(compute.numel(), dtype=odtype))
+            grad = self.memory.zeros(compute.numel(), odtype)  # a device copy may land in it
+        bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
+        with torch.no_grad():
+            for slot_index, slot in enumerate(slots):
+                original = slot.param.detach()
+                if optim is not None:
+                    # From the original values, so a float32 model keeps full precision in its optimizer copy.
+                    optim[slot.offset:slot.offset + slot.numel].copy_(original.reshape(-1))
+                    slot.optim = nn.Parameter(optim[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                view = compute[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                view.copy_(original)
+                slot.param.data = view
+                self.bucket_of[id(slot.param)] = (index, slot_index)
+        if optim is not None:
+            bucket.versions.loaded_into_both()
+        return bucket
+
+    def window(self, layers: range, bucket_index: int) -> tuple[int, int]:
+        """The elements [start, stop) of bucket `bucket_index` that the layers `layers` read: the whole bucket unless
+        every use is a row window, then the smallest range covering them ([Note: row windows]). Asked for every
+        bucket of every task, so kept per span (the bindings never change)."""
+        key = (layers.start, layers.stop, bucket_index)
+        window = self._windows.get(key)
+        if window is None:
+            uses = [b.window for layer in layers for b in self.layer_bindings[layer] if b.bucket_index == bucket_index]
+            if not uses or any(w is None for w in uses):
+                window = (0, self.buckets[bucket_index].compute.numel())
+            else:
+                window = (min(w[0] for w in uses), max(w[1] for w in uses))
+            self._windows[key] = window
+        return window
+
+    def window_bytes(self, layers: range, trainable_only: bool = False) -> int:
+        """Bytes of the compute copies the layers `layers` read, their row windows only ([Note: row windows])."""
+        total = 0
+        for bucket_index in self.buckets_of_layers(layers):
+            bucket = self.buckets[bucket_index]
+            if bucket.trainable or not trainable_only:
+                start, stop = self.window(layers, bucket_index)
+                total += (stop - start) * bucket.compute.element_size()
+        return total
+
+    def buckets_of_layers(self, layers: range) -> list[int]:
+        used: set[int] = set()
+        for layer in layers:
+            used.update(self.layer_buckets[layer])
+        return sorted(used)
+
+    @property
+    def trainable_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.trainable]
+
+    @functools.cached_property
+    def trainable_in_backward_order(self) -> list[Bucket]:
+        """Top layers first: the order a backward makes the buckets' gradients final. Host work that takes
+        gradient turns must be queued in this order on its (serial) thread: a job for a bottom bucket queued first
+        would hold every later job until the backward's very end. (The buckets never change: computed once.)"""
+        return sorted(self.trainable_buckets, key=lambda b: -min(b.layers))

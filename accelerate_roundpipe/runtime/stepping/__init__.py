@@ -1,0 +1,1 @@
+"""One bucket's optimizer step: the per-bucket steppers, gradient clipping, the step's gradient norm."""
