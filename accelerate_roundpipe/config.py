@@ -332,9 +332,8 @@ class RoundPipeConfig:
         data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
             `torch.distributed` (one process per machine, each an engine over its local devices; see
             [Note: data parallel] in `runtime/distribution/gloo_exchange.py`). True requires an initialized process
-            group; False
-            refuses to build an engine in a run of several processes. Default: on when a process group of more than
-            one process is initialized.
+            group; False refuses to build an engine in a run of several processes. Default: on when a process group of
+            more than one process is initialized.
     """
 
     devices: list[str] | None = field(default=None, metadata={

@@ -1,7 +1,6 @@
 """The engine and its optimizer reach other processes only through the gradient exchange they are built with
 ([Note: gradient exchange] in `runtime/distribution/gradient_exchange.py`): one process has `NoExchange`, and an
-exchange put in
-its place sees every check, weight broadcast, binding, sum, loss, layout and meeting the engine does."""
+exchange put in its place sees every check, weight broadcast, binding, sum, loss, layout and meeting the engine does."""
 
 from __future__ import annotations
 

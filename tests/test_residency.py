@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.devices.device import Device
+from accelerate_roundpipe.runtime.devices.factory import make_device
 from accelerate_roundpipe.runtime.execution.residency import ParamResidency, TaskParams
 
 from toy_models import tied_model
@@ -25,7 +25,7 @@ class CopyEvent:
 def test_read_tickets_end_as_their_copies_land_in_order():
     engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"]))
     store = engine._store
-    residency = ParamResidency(Device(engine.devices[0].device, 0), store, engine._failure)
+    residency = ParamResidency(make_device(engine.devices[0].device, 0), store, engine._failure)
     indices = [b.index for b in store.buckets[:3]]
     tickets = [(b, store.buckets[b].reads.reserve_read()) for b in indices]
     events = {indices[0]: CopyEvent(True), indices[1]: CopyEvent(False), indices[2]: CopyEvent(True)}

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.devices import device as device_module
+from accelerate_roundpipe.runtime.devices import factory
 from accelerate_roundpipe.runtime.devices.cpu_device import CpuDevice
 from accelerate_roundpipe.runtime.devices.cuda_device import CudaDevice
 from accelerate_roundpipe.runtime.devices.device import Device, Payload
@@ -59,14 +59,14 @@ def train(case: str, steps: int = 2):
 @pytest.fixture
 def stream_model(monkeypatch):
     """Every CPU worker made from now on is a `StreamModelDevice`."""
-    monkeypatch.setattr(device_module, "cpu_device_class", StreamModelDevice)
+    monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_training_through_the_stream_model_equals_the_cpu_device(case, monkeypatch):
     plain_losses, plain_weights, plain_devices = train(case)
     assert all(type(d) is CpuDevice for d in plain_devices)
-    monkeypatch.setattr(device_module, "cpu_device_class", StreamModelDevice)
+    monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
     losses, weights, devices = train(case)
     assert all(isinstance(d, StreamModelDevice) for d in devices)
     for loss, plain in zip(losses, plain_losses, strict=True):
@@ -138,9 +138,9 @@ def test_copies_run_in_order_when_waited_for_and_only_into_page_locked_memory():
 
 
 def test_the_device_class_is_chosen_once_from_the_torch_device():
-    """`Device(torch_device, i)` gives the class of that kind of device, complete (constructing a CUDA device
+    """`make_device(torch_device, i)` gives the class of that kind of device, complete (constructing a CUDA device
     touches no GPU: its streams are made on the worker's thread)."""
-    cpu, cuda = Device(torch.device("cpu"), 0), Device(torch.device("cuda", 1), 1)
+    cpu, cuda = factory.make_device(torch.device("cpu"), 0), factory.make_device(torch.device("cuda", 1), 1)
     assert type(cpu) is CpuDevice and type(cuda) is CudaDevice
     assert not (cpu.is_cuda or cpu.records_kernel_time or cpu.tracks_memory)
     assert cuda.is_cuda and cuda.records_kernel_time and cuda.tracks_memory

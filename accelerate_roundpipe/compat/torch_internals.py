@@ -1,8 +1,7 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
 the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout and store, the engine's
 autograd nodes), `runtime/optimizer/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the
-vectorised
-norms), `runtime/state/host_resident.py` (what `.to()` asks for)."""
+vectorised norms), `runtime/state/host_resident.py` (what `.to()` asks for)."""
 
 from __future__ import annotations
 

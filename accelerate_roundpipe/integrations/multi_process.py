@@ -57,7 +57,7 @@ import torch
 from ..compat.accelerate_internals import state_backend
 from ..compat.hf_trainer import compute_loss_process_factor
 from ..compat.torch_internals import backward_node_class, default_group_store, set_default_group_timeout
-from ..runtime.distribution.gloo_exchange import DataParallelError
+from ..runtime.distribution.collectives import DataParallelError
 from .checkpoint_files import CheckpointError, check_shard_name
 
 MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")

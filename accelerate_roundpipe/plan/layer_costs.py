@@ -1,8 +1,7 @@
 """Measured per-layer costs, the planner's input: times per micro-batch and bytes, plain data that round-trips JSON.
 
 The profiler (`runtime/execution/layer_profile.py`) fills one `LayerCosts` from the measured training pass; the stage
-cost model
-(`stage_cost_model.py`) sums it over spans.
+cost model (`stage_cost_model.py`) sums it over spans.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime.common.sync import EngineClosedError
-from accelerate_roundpipe.runtime.distribution.gloo_exchange import DataParallelError
+from accelerate_roundpipe.runtime.distribution.collectives import DataParallelError
 
 from toy_models import assert_close, batch, reference_loss_and_grads, tied_model
 

@@ -33,7 +33,7 @@ def test_four_processes_and_a_shard_of_another_world_size(two_rank_checkpoint):
 
 def test_a_one_process_engine_refuses_a_shard(two_rank_checkpoint):
     from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-    from accelerate_roundpipe.runtime.distribution.gloo_exchange import DataParallelError
+    from accelerate_roundpipe.runtime.distribution.collectives import DataParallelError
 
     path, _ = two_rank_checkpoint
     engine = RoundPipe(dp_scenarios.tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))

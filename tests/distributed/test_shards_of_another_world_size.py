@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.distribution.gloo_exchange import DataParallelError
+from accelerate_roundpipe.runtime.distribution.collectives import DataParallelError
 from accelerate_roundpipe.runtime.distribution.shards import ShardedSteps, full_state_of_shards
 
 from toy_models import batch, tied_model

@@ -1,7 +1,8 @@
 """A worker's device: the one interface the worker, the residency, the gradient commits and the profiler use.
 
-`Device(torch_device, index)` makes the device class for that kind of device, chosen once (`device_class`):
-`CudaDevice` (`cuda_device.py`) on a GPU, `CpuDevice` (`cpu_device.py`) for a CPU worker. The transfer logic below is
+`make_device(torch_device, index)` (`factory.py`) makes the device class for that kind of device, chosen once
+(`device_class`): `CudaDevice` (`cuda_device.py`) on a GPU, `CpuDevice` (`cpu_device.py`) for a CPU worker. The
+classes import this module, never the other way round. The transfer logic below is
 written once, against streams and events ([Note: transfer engine]); a class supplies only the primitives (make a
 stream, copy on it, hold a tensor for it, allocate page-locked host memory, time a kernel, seed the RNG), so the CPU
 runs the same ordering logic as the GPU, with streams and events that are no-ops there, and
@@ -64,20 +65,6 @@ def _squared_norm(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total if total is not None else torch.zeros((), dtype=dtype, device=flat.device)
 
 
-cpu_device_class: type | None = None  # the class CPU workers get; None: `CpuDevice` (tests swap in the stream model)
-
-
-def device_class(device: torch.device) -> type[Device]:
-    """The `Device` class for `device`: CUDA's on a GPU, else the CPU worker's."""
-    if device.type == "cuda":
-        from .cuda_device import CudaDevice
-        return CudaDevice
-    if cpu_device_class is not None:
-        return cpu_device_class
-    from .cpu_device import CpuDevice
-    return CpuDevice
-
-
 class Device(abc.ABC):
     """[Note: transfer engine]
     A worker has one compute stream and four copy streams: activation upload, activation download, parameter
@@ -94,18 +81,13 @@ class Device(abc.ABC):
     its stream until something waits for it, and checks the rules CUDA relies on (an event is recorded before it is
     waited for, the compute stream waits for an upload before a layer reads it, the host reads a download only after
     its event). Nothing outside the device classes asks which kind of device it is: callers ask for what they need
-    (`records_kernel_time`, `tracks_memory`, ...). `Device(torch_device, index)` makes the class `device_class`
-    picks.
+    (`records_kernel_time`, `tracks_memory`, ...). `make_device(torch_device, index)` (`factory.py`) makes the class
+    `device_class` picks.
     """
 
     is_cuda = False  # the process needs CUDA's allocator and page-locked host memory (the engine's settings)
     records_kernel_time = False  # kernels are timed on the device (trace spans of streams, profiler timers)
     tracks_memory = False  # the device counts its allocated memory (the profiler's act/work bytes, metrics)
-
-    def __new__(cls, device: torch.device | str | None = None, index: int = 0, *args, **kwargs):
-        if cls is Device:
-            cls = device_class(torch.device(device))
-        return super().__new__(cls)
 
     def __init__(self, device: torch.device, index: int) -> None:
         self.device = torch.device(device)

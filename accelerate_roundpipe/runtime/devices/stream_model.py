@@ -15,7 +15,7 @@ thread that breaks them (the engine reports it to the caller like any worker fai
 A host read of a download before its event (`Payload.host`) reads the poison, and the gradients, norms or losses turn
 NaN. Every stream operation goes to `log` ((stream, operation) pairs), for tests to check the order. Not modelled:
 memory reuse (`_hold`, CUDA's `record_stream`: Python keeps a queued copy's tensors alive). Tests make every CPU
-worker one with `monkeypatch.setattr(runtime.devices.device, "cpu_device_class", StreamModelDevice)`
+worker one with `monkeypatch.setattr(runtime.devices.factory, "cpu_device_class", StreamModelDevice)`
 (`tests/test_stream_model.py`).
 """
 

@@ -70,9 +70,11 @@ from typing import Any
 import torch
 
 from ..common.sync import POLL_S, FailureFlag
-from ..state.host_store import HostStore
+from ..state.host_store import ALIGN, HostStore
 from .collective_streams import CollectiveStreams, join_at_exit
+from .collectives import DataParallelError
 from .rank_settings import differences
+from .shards import ShardedSteps
 
 EXCHANGE_WIDTH = 3  # values a per-pass exchange carries at most (the label totals of `loss_count_totals`)
 
@@ -120,10 +122,6 @@ def chunk_bounds(per_rank: int, streams: int = COLLECTIVE_STREAMS,
     return list(zip(edges[:-1], edges[1:]))
 
 
-class DataParallelError(RuntimeError):
-    """A collective across the data-parallel ranks failed, a peer rank failed, or the ranks' settings differ."""
-
-
 class DataParallelGroup:
     """This process's place in the data-parallel group, and every collective the engine issues; see
     [Note: data parallel]."""
@@ -160,8 +158,6 @@ class DataParallelGroup:
     @property
     def pad_multiple(self) -> int:
         """Trainable buckets are padded to a multiple of this, so every rank's range is equal and aligned."""
-        from ..state.host_store import ALIGN
-
         return self.world_size * ALIGN
 
     def shard_range(self, numel: int) -> tuple[int, int]:
@@ -348,8 +344,6 @@ class DataParallelGroup:
 
     def optimizer_layout(self, user: torch.optim.Optimizer, store: HostStore, trace=None):
         """This rank's shard of the step of `user` ([Note: data parallel])."""
-        from .shards import ShardedSteps
-
         return ShardedSteps(user, store, self, trace)
 
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:

@@ -6,9 +6,9 @@ The engine and the optimizer never ask whether they run data-parallel: they call
 the engine is built (`gradient_exchange`).
 - `NoExchange`: one process. Every call is nothing (or hands its values back), and the optimizer steps whole buckets
   (`WholeBuckets`).
-- `DataParallelGroup` (`runtime/distribution/gloo_exchange.py`): data parallelism over gloo on the host ([Note: data
-parallel]).
-  The optimizer steps this rank's shard (`ShardedSteps`), reduce-scattering and all-gathering each bucket.
+- `DataParallelGroup` (`runtime/distribution/gloo_exchange.py`): data parallelism over gloo on the host
+  ([Note: data parallel]). The optimizer steps this rank's shard (`ShardedSteps`), reduce-scattering and
+  all-gathering each bucket.
 An exchange over NCCL on the GPUs would be a third class with the same methods (its reduce-scatter fed from the
 devices' gradient downloads): nothing in the engine or the optimizer would change. `engine.data_parallel` is the
 exchange's `group` (None on one process), for what reads a rank and a world size (checkpoints, traces).

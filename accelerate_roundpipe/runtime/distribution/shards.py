@@ -26,7 +26,7 @@ from torch import nn
 from ...telemetry.trace import maybe_span
 from ..state.host_store import Bucket, HostStore
 from ..stepping.steppers import ELEMENTWISE_OPTIMIZERS, BucketSteppers, hyper_parameters, prefer_fused
-from .gloo_exchange import DataParallelError, DataParallelGroup
+from .collectives import DataParallelError, ShardCollectives
 
 
 @dataclass(eq=False)
@@ -60,7 +60,7 @@ on the optimizer thread; see [Note: data parallel]."""
 
     user: torch.optim.Optimizer
     store: HostStore
-    group: DataParallelGroup
+    group: ShardCollectives
     trace: Any = None
     shards: dict[int, BucketShard] = field(default_factory=dict)  # bucket index -> its shard
     fixed_order = True  # an exact step takes the buckets in the same order on every rank ([Note: exact step order])

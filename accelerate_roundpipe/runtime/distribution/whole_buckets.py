@@ -15,7 +15,7 @@ import torch
 
 from ..state.host_store import Bucket, HostStore
 from ..stepping.steppers import BucketSteppers, hyper_parameters, prefer_fused, shallow_copy
-from .gloo_exchange import DataParallelError
+from .collectives import DataParallelError
 
 
 class WholeBuckets:

@@ -19,8 +19,7 @@ from ..state.host_store import HostStore
 
 class PassCounts:
     """The base seed and the pass counts of [Note: RNG streams of passes] (runtime/execution/rng_streams.py): owned by
-    the engine,
-    counted on the caller's thread, saved and loaded with a checkpoint."""
+    the engine, counted on the caller's thread, saved and loaded with a checkpoint."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

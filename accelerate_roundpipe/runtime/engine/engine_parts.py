@@ -17,6 +17,7 @@ from ...plan.partition import plan_partition
 from ...telemetry.trace import TraceRecorder
 from ..common.sync import FailureFlag
 from ..devices.device import Device, use_expandable_segments
+from ..devices.factory import make_device
 from ..distribution.gloo_exchange import DataParallelGroup
 from ..distribution.gradient_exchange import NoExchange, gradient_exchange
 from ..execution.adapter_switches import AdapterSwitches
@@ -52,7 +53,7 @@ class EngineParts:
 
 def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: RoundPipeConfig,
                        allow_short_batches: bool) -> EngineParts:
-    devices = [Device(d, i) for i, d in enumerate(config.resolved_devices())]
+    devices = [make_device(d, i) for i, d in enumerate(config.resolved_devices())]
     uses_cuda = any(d.is_cuda for d in devices)
     if uses_cuda and use_expandable_segments():
         logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "

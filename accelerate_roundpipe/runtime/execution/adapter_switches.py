@@ -2,8 +2,7 @@
 
 [Note: adapter switches]
 Each device runs its own copy of a layer ([Note: stateless layers], runtime/execution/layer_copy.py), deep-copied once
-from
-the user's layer. PEFT switches adapters by setting plain attributes on its layer modules (`_disable_adapters`,
+from the user's layer. PEFT switches adapters by setting plain attributes on its layer modules (`_disable_adapters`,
 `_active_adapter`, `merged_adapters`): set on the user's modules, a copy made earlier never saw them, so
 `with model.disable_adapter(): model(...)` (how TRL's DPO takes a PEFT policy's reference log-probabilities) still
 ran the adapters: the output was silently the policy's. Before every pass the engine compares these attributes with

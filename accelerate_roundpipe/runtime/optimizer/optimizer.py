@@ -33,7 +33,7 @@ from ..stepping.clip import GradientClip
 from ..stepping.step_norm import PendingGradNorm
 from ..stepping.steppers import hyper_parameters, prefer_fused
 from . import foreign_steps
-from .step_policy import ExactStep, LaggedStep
+from .step_policy import ExactStep, LaggedStep, StepSite
 
 
 class RoundPipeOptimizer(torch.optim.Optimizer):
@@ -126,7 +126,13 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         policy = self._lagged if self.async_step and self.steps_taken >= self.exact_steps_first else self._exact
         self.steps_taken += 1
         with self.failure.reserving("optimizer.step()"):  # [Note: interrupted reservations]
-            policy.schedule(self, hyper, clip)
+            policy.schedule(self._step_site(), hyper, clip)
+
+    def _step_site(self) -> StepSite:
+        """What a step policy drives of this optimizer (its buckets, its thread, its steps and write-backs)."""
+        return StepSite(self.step_order, self.failure, self.layout.fixed_order, self.thread.submit, self._exact_steps,
+                        self._step_buckets, self.stepped_without_write_back, self.write_back_stale,
+                        self.hold_writeback)
 
     # [Note: scheduler step count]
     # A torch LR scheduler wraps its optimizer's `step` (an attribute of that instance) to set `_opt_called`, and its

@@ -1,19 +1,37 @@
 """The two ways one optimizer step is scheduled on the optimizer thread: exact (the default) and lagged by one
-iteration (`async_optimizer`). Both step each bucket the same way (`RoundPipeOptimizer._step_buckets`); they differ
-in the tickets they reserve and in when the stepped weights reach the compute copies ([Note: one-step lag]).
+iteration (`async_optimizer`). Both step each bucket the same way (the optimizer's step of a bucket, which it hands
+them in a `StepSite`); they differ in the tickets they reserve and in when the stepped weights reach the compute
+copies ([Note: one-step lag]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from ..common.sync import wait_for_any_turn
+from ..common.sync import FailureFlag, wait_for_any_turn
 from ..state.host_store import Bucket
 from ..stepping.clip import GradientClip
 
-if TYPE_CHECKING:
-    from .optimizer import RoundPipeOptimizer
+Hyper = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StepSite:
+    """What a step policy drives, handed to it by the optimizer at each `step()`: the optimizer's buckets, its
+    thread, and how it steps and writes back a bucket. A policy knows the optimizer through this alone."""
+
+    step_order: list[Bucket]  # the trainable buckets in backward order
+    failure: FailureFlag
+    fixed_order: bool  # the layout's: an exact step takes the buckets in the same order on every rank
+    submit: Callable[[Callable[[], None]], None]  # a job queued on the optimizer thread
+    # bucket, gradient turn, write turn: stepped in the write turns, where the next uploads read them
+    step_exactly: Callable[[list[tuple[Bucket, int, int]], Hyper, GradientClip | None], None]
+    step: Callable[[list[tuple[Bucket, int]], Hyper, GradientClip | None], None]  # bucket, gradient turn
+    stepped_without_write_back: Callable[[list[Bucket]], None]  # an exact step's compute copies not written yet
+    write_back_stale: Callable[[], None]  # queue the write-backs of those
+    hold_writeback: Callable[[Bucket], None]  # a lagged step's write-back, released at the next `step()`
 
 
 class ExactStep:
@@ -26,13 +44,13 @@ class ExactStep:
         bucket.versions.reserve_new_version()
         return bucket, bucket.grads.reserve(), bucket.reads.reserve_write()
 
-    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
-        entries = [self.reserve(bucket) for bucket in optimizer.step_order]
-        optimizer.thread.submit(self.job(optimizer, entries, hyper, clip))
-        optimizer.stepped_without_write_back(optimizer.step_order)
+    def schedule(self, site: StepSite, hyper: Hyper, clip: GradientClip | None) -> None:
+        entries = [self.reserve(bucket) for bucket in site.step_order]
+        site.submit(self.job(site, entries, hyper, clip))
+        site.stepped_without_write_back(site.step_order)
 
     @staticmethod
-    def job(optimizer: RoundPipeOptimizer, entries: list[tuple[Bucket, int, int]], hyper: list[dict[str, Any]],
+    def job(site: StepSite, entries: list[tuple[Bucket, int, int]], hyper: Hyper,
              clip: GradientClip | None) -> Callable[[], None]:
         """[Note: exact step order]
         One job steps and writes back every bucket of an exact step (`entries`: bucket, gradient turn, write turn,
@@ -45,14 +63,14 @@ class ExactStep:
         Each bucket's step is independent of the others', so the order changes no result. Under data parallelism
         the order is fixed instead, the same on every rank ([Note: data parallel]): backward order, or bottom-up
         after a clip (whose jobs reduced every bucket first)."""
-        failure = optimizer.failure
+        failure = site.failure
 
         def step_in_fixed_order() -> None:
             for bucket, grad_ticket, write_ticket in (entries if clip is None else reversed(entries)):
                 failure.check()
-                optimizer._exact_steps([(bucket, grad_ticket, write_ticket)], hyper, clip)
+                site.step_exactly([(bucket, grad_ticket, write_ticket)], hyper, clip)
 
-        if optimizer.layout.fixed_order:
+        if site.fixed_order:
             return step_in_fixed_order
 
         def step_as_gradients_land() -> None:
@@ -67,7 +85,7 @@ class ExactStep:
                 batch = [pending[i] for i in ready if pending[i][0].home is not None] if on_device else [entry]
                 for each in batch:
                     pending.remove(each)
-                optimizer._exact_steps(batch, hyper, clip)
+                site.step_exactly(batch, hyper, clip)
 
         return step_as_gradients_land
 
@@ -82,17 +100,17 @@ class LaggedStep:
     has nothing to hide. So with `async_optimizer` the buckets on the host lag by one step and those on a device do
     not; with every bucket on a device the lagged step is the exact one."""
 
-    def schedule(self, optimizer: RoundPipeOptimizer, hyper: list[dict[str, Any]], clip: GradientClip | None) -> None:
+    def schedule(self, site: StepSite, hyper: Hyper, clip: GradientClip | None) -> None:
         # A lagged step writes the optimizer copies outside the read tickets: first move the version readers are
         # entitled to back into the compute copies ([Note: exact step without write-back]).
-        optimizer.write_back_stale()
+        site.write_back_stale()
         # [Note: device steps are exact]: the device buckets first, as an exact step of their own (together and
         # bottom-up), so the next forward never waits behind the host's lagged steps, which the lag hides anyway.
-        on_device = [ExactStep.reserve(bucket) for bucket in optimizer.step_order if bucket.home is not None]
+        on_device = [ExactStep.reserve(bucket) for bucket in site.step_order if bucket.home is not None]
         if on_device:
-            optimizer.thread.submit(ExactStep.job(optimizer, on_device, hyper, clip))
-        for bucket in optimizer.step_order:  # backward order: each job waits only for its own bucket's gradients
+            site.submit(ExactStep.job(site, on_device, hyper, clip))
+        for bucket in site.step_order:  # backward order: each job waits only for its own bucket's gradients
             if bucket.home is None:
                 turn = (bucket, bucket.grads.reserve())
-                optimizer.thread.submit(lambda turn=turn: optimizer._step_buckets([turn], hyper, clip))
-                optimizer.hold_writeback(bucket)
+                site.submit(lambda turn=turn: site.step([turn], hyper, clip))
+                site.hold_writeback(bucket)
