@@ -1,4 +1,5 @@
-"""Executes a plan: host store, device workers, per-layer events, the CPU optimizer, the engine facade."""
+"""Executes a plan: host store, device workers, per-layer events, the optimizer thread, the engine facade; `LAYERS`,
+the sub-packages' order."""
 
 from .common.sync import EngineClosedError
 from .engine.engine import RoundPipe
