@@ -66,9 +66,12 @@ def test_windowed_commits_land_in_their_rows_and_keep_the_norm_exact():
     bucket.clear()
     n = ROWS * WIDTH
     top = torch.full((7 * WIDTH,), 2.0, dtype=torch.float64)
-    bucket.grad.fill_(float("nan"))  # a recycled buffer: whatever was there must not survive
+    recycled = store.grad_pool.take(bucket.optim).fill_(float("nan"))  # whatever was there must not survive
+    store.grad_pool.give(recycled)
+    assert bucket.grad is None  # an empty bucket holds no buffer ([Note: no spare gradient buffer])
     bucket.commit(top, grad_sq=float(top.square().sum()), window=(5 * WIDTH, n))
     assert bucket.grad_valid
+    assert bucket.grad.data_ptr() == recycled.data_ptr()  # a whole buffer from the pool
     assert torch.equal(bucket.grad[:5 * WIDTH], torch.zeros(5 * WIDTH, dtype=torch.float64))
     assert torch.equal(bucket.grad[5 * WIDTH:], top)
     bottom = torch.full((5 * WIDTH,), 3.0, dtype=torch.float64)

@@ -118,7 +118,9 @@ class GradCommits:
                 raise
             finally:
                 bucket.grads.end(ticket)
-            if bucket.home is None:
+            if spare is None:  # swapped into a bucket that held no buffer ([Note: no spare gradient buffer])
+                pass
+            elif bucket.home is None:
                 self.store.grad_pool.give(spare)
             else:  # its kernels are done (bucket.settle): the next download may convert into it
                 bucket.give_spare_grad(spare)

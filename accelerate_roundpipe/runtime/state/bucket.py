@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..common.sync import ReadWriteOrder, Sequencer
+from .grad_buffers import GradBufferPool
 from .weight_versions import StepCount, WeightVersions
 
 
@@ -34,8 +35,11 @@ class Bucket:
     trainable: bool
     compute: torch.Tensor
     optim: torch.Tensor | None
+    # A host bucket holds a gradient buffer only while it holds gradients ([Note: no spare gradient buffer]).
     grad: torch.Tensor | None
     slots: list[ParamSlot]
+    # Where a host bucket's gradient buffers come from and go back to ([Note: gradient swap]).
+    grad_pool: GradBufferPool | None = field(default=None, repr=False)
     reads: ReadWriteOrder = field(default_factory=ReadWriteOrder)
     grads: Sequencer = field(default_factory=Sequencer)
     grad_valid: bool = False  # False after zero_grad(set_to_none=True): the next commit overwrites
@@ -113,8 +117,8 @@ class Bucket:
         """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device): add them to a buffer
         that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]); a
         `window` download (elements [start, stop): [Note: row windows]) goes into its rows. Returns the spare
-        buffer nobody reads any more."""
-        if window is not None and window != (0, self.grad.numel()):
+        buffer nobody reads any more (None: a cleared host bucket held none)."""
+        if window is not None and window != (0, self.optim.numel()):
             spare = self._commit_window(grad, grad_sq, window)
             self.settle()
             return spare
@@ -135,6 +139,8 @@ class Bucket:
     def _commit_window(self, grad: torch.Tensor, grad_sq: float | None, window: tuple[int, int]) -> torch.Tensor:
         start, stop = window
         if not self.grad_valid:  # the rows outside the window hold no gradient: zero them, once
+            if self.grad is None:  # a cleared host bucket: a whole buffer from the pool
+                self.grad = self.grad_pool.take(self.optim)
             self.grad[:start].zero_()
             self.grad[stop:].zero_()
             self.grad[start:stop].copy_(grad)
@@ -154,10 +160,14 @@ class Bucket:
         return grad
 
     def clear(self) -> None:
-        """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites."""
+        """Forget the gradients (`zero_grad(set_to_none=True)`): `.grad` becomes None, the next commit overwrites; a
+        host bucket gives its buffer back to the pool ([Note: no spare gradient buffer])."""
         self.grad_valid = False
         self.grad_sq = None
         self._detach_grads()
+        if self.home is None and self.grad is not None and self.grad_pool is not None:
+            buffer, self.grad = self.grad, None
+            self.grad_pool.give(buffer)
 
     def zero(self) -> None:
         """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
@@ -191,13 +201,13 @@ class Bucket:
         """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
         sum, overwriting what an earlier pass left ([Note: deferred gradient commit]); `window`: the elements the
         download covers ([Note: row windows])."""
-        start, stop = window or (0, self.grad.numel())
+        start, stop = window or (0, self.optim.numel())
         if not first:
             self.pending[start:stop].add_(grad)
             self.settle()
             return
         if self.pending is None:
-            self.pending = torch.empty_like(self.grad)
+            self.pending = torch.empty_like(self.optim)  # the gradient's size, dtype and device
         self.pending[:start].zero_()
         self.pending[stop:].zero_()
         self.pending[start:stop].copy_(grad)

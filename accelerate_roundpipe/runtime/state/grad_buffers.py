@@ -3,15 +3,29 @@
 [Note: gradient swap]
 A bucket's gradients reach the host already in the optimizer's dtype: the device converts them while it copies
 (`Device.download_grads_into`) into a buffer from this pool. The commit then does no host pass at all in the common
-case: when the bucket's gradient buffer is empty (the first commit after `zero_grad`), the downloaded buffer *becomes*
-the bucket's gradient buffer and the old one returns to the pool. Only a commit into a buffer that already holds
-gradients (accumulation across tasks or passes) adds. Before, every commit was a bf16 -> fp32 host pass over the
-whole model per step (about 0.4 s for Qwen3-1.7B on 16 cores), competing with the CPU optimizer for memory
-bandwidth.
+case: when the bucket holds no gradient (the first commit after `zero_grad`), the downloaded buffer *becomes* the
+bucket's gradient buffer. Only a commit into a buffer that already holds gradients (accumulation across tasks or
+passes) adds, and gives the download back. Before, every commit was a bf16 -> fp32 host pass over the whole model
+per step (about 0.4 s for Qwen3-1.7B on 16 cores), competing with the CPU optimizer for memory bandwidth.
 
-Buffers are pinned when the engine pins (a GPU is used), at their exact size ([Note: exact-size pinned memory]). In
-the steady state there is one spare per bucket: the gradients cost twice their size in host memory, against once plus
-a bf16 staging copy before.
+Buffers are pinned when the engine pins (a GPU is used), at their exact size ([Note: exact-size pinned memory]).
+
+[Note: no spare gradient buffer]
+A host bucket holds a gradient buffer only while it holds gradients: the store makes none at build (the first
+download's buffer becomes it, so the build page-locks no gradient), and `zero_grad(set_to_none=True)` gives the
+bucket's buffer back to the pool (`Bucket.clear`); a row-window commit into an empty bucket takes a whole buffer
+from the pool and zeroes it outside the window. No number changes: an empty bucket's buffer is never read (the swap
+replaces it, the window commit zeroes what it does not write). Before, a bucket kept its buffer after `zero_grad`
+and the buffer its first download swapped out stayed in the pool as a spare: 4 bytes a trainable parameter more
+than the gradients (1 on a model of equal layers, whose buckets share the spares of their size).
+
+So that a burst (every gradient of a clipped or accumulated step, downloads that overlapped) does not stay in the
+free list, the pool counts, per size, the buffers out of it (in downloads or held by buckets) and the most out at
+once since that size was last idle; when the last one comes back (the size is idle) the free buffers beyond that
+most are released (unlocked first: [Note: unlock before free]). A run's steady state keeps what its steps need at
+once, so nothing is allocated anew each step; a step that needed more than the one before leaves the extra behind
+only until the next one ends. A size never idle (gradients kept with `zero_grad(set_to_none=False)`) keeps at most
+the downloads that were in flight at once.
 """
 
 from __future__ import annotations
@@ -27,23 +41,45 @@ class GradBufferPool:
     def __init__(self, memory: HostMemory) -> None:
         self.memory = memory
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._out: dict[tuple[int, torch.dtype], int] = {}  # per size: buffers taken and not given back
+        self._peak: dict[tuple[int, torch.dtype], int] = {}  # per size: the most out at once since it was idle
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made so far: flat in the steady state, when every download reuses one
+        self.released = 0  # buffers let go of beyond what the last busy period of their size needed
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A free buffer of `like`'s size and dtype (contents undefined)."""
+        """A free buffer of `like`'s size and dtype (contents undefined); give it back when nobody reads it."""
+        key = (like.numel(), like.dtype)
         with self._lock:
-            free = self._free.get((like.numel(), like.dtype))
+            out = self._out[key] = self._out.get(key, 0) + 1
+            self._peak[key] = max(self._peak.get(key, 0), out)
+            free = self._free.get(key)
             if free:
                 return free.pop()
             self.allocated += 1
         return self.memory.empty(like.numel(), like.dtype)
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer nobody reads any more (its device copy, if any, has completed)."""
+        """Return a buffer `take` handed out, once nobody reads it (its device copy, if any, has completed)."""
+        key = (buffer.numel(), buffer.dtype)
+        excess: list[torch.Tensor] = []
         with self._lock:
-            self._free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+            free = self._free.setdefault(key, [])
+            free.append(buffer)
+            self._out[key] = self._out.get(key, 0) - 1
+            if self._out[key] <= 0:  # idle: keep what its busy period needed at once ([Note: no spare gradient buffer])
+                self._out[key] = 0
+                keep = self._peak.pop(key, 1)
+                excess, free[keep:] = free[keep:], []
+            self.released += len(excess)
+        if excess:
+            self.memory.give_back(*excess)
 
     def free_bytes(self) -> int:
         with self._lock:
             return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+
+    def out_count(self) -> int:
+        """Buffers handed out and not given back (in downloads or held by buckets)."""
+        with self._lock:
+            return sum(self._out.values())

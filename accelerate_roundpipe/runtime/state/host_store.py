@@ -6,8 +6,9 @@ bucket holds
 - `compute`: the compute copy (param dtype, pinned when a GPU is used); the user's module parameters are re-pointed
   to views of it, so `engine.module` always shows the compute copy;
 - `optim`: the optimizer copy (optimizer dtype) whose views are the `nn.Parameter`s handed to the optimizer;
-- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies. A commit into an
-  empty buffer swaps the downloaded buffer in ([Note: gradient swap]): read `bucket.grad` afresh, never keep it.
+- `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies; None while a
+  host bucket holds none ([Note: no spare gradient buffer]). A commit into an empty bucket swaps the downloaded
+  buffer in ([Note: gradient swap]): read `bucket.grad` afresh, never keep it.
 Frozen (requires_grad=False) parameters get a compute copy only: no optimizer state, no gradient traffic.
 
 [Note: row windows]
@@ -151,14 +152,14 @@ class HostStore:
                                    model_dtype=p.dtype))
             offset += _align(p.numel())
         compute = self.memory.zeros(_align(max(offset, 1), self.pad_multiple if trainable else 1), dtype)
-        optim = grad = None
+        optim = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
             # Uploaded by exact steps ([Note: exact step without write-back]), else read by the CPU only.
             optim = (self.memory.zeros(compute.numel(), odtype) if self.pin_optimizer_copies
                      else torch.zeros(compute.numel(), dtype=odtype))
-            grad = self.memory.zeros(compute.numel(), odtype)  # a device copy may land in it
-        bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, grad, slots)
+        # No gradient buffer yet: the first download's becomes it ([Note: no spare gradient buffer]).
+        bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, None, slots, grad_pool=self.grad_pool)
         with torch.no_grad():
             for slot_index, slot in enumerate(slots):
                 original = slot.param.detach()

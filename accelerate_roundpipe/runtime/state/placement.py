@@ -173,7 +173,9 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
     for place in placement.places:
         if place.home is not None:
             bucket = store.buckets[place.bucket]
-            old = (bucket.optim, bucket.grad)
+            old_optim, old_grad = bucket.optim, bucket.grad
             move_home(bucket, torch.device(place.home))
-            store.memory.give_back(*old)
+            store.memory.give_back(old_optim)
+            if old_grad is not None:  # gradients held before the placement ([Note: no spare gradient buffer])
+                store.grad_pool.give(old_grad)
     return placement
