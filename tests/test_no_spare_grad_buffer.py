@@ -47,13 +47,13 @@ def test_zero_grad_set_to_none_gives_every_host_buffer_back():
     assert held == 0  # the buckets hold no buffer
     assert all(b.grad is None for b in engine._store.trainable_buckets)
     assert engine._store.grad_pool.out_count() == 0
-    # What the steps needed at once: the exact step holds every bucket's gradients until it steps, plus the
+    # What the steps needed at once, no spare beside it: the gradients downloaded and not yet stepped and the
     # downloads in flight beside them (a tied weight's second download; at most one a worker and size).
     buckets = engine._store.trainable_buckets
     for (numel, dtype), free_list in engine._store.grad_pool._free.items():
         of_size = sum(b.optim.numel() == numel and b.optim.dtype == dtype for b in buckets)
         assert 1 <= len(free_list) <= of_size + 2, (numel, len(free_list), of_size)
-    assert whole <= free
+    assert 0 < free <= 2 * whole
     engine.close()
 
 

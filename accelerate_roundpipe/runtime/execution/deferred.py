@@ -102,12 +102,17 @@ class DeferredPasses:
         if self._pending is deferred:
             self._pending = None
         ratio = None if scale is None else scale / deferred.expected_scale
-        if self.host_ops is None:
-            self.host_ops = SerialExecutor(self.failure, "roundpipe-host-ops")
         with self.failure.reserving("a deferred pass's commit"):  # [Note: interrupted reservations]
             for bucket in self.store.trainable_in_backward_order:
                 ticket = bucket.grads.reserve()
-                self.host_ops.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
+                self.submit(resolve_job(deferred, bucket, ticket, ratio, self.failure))
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue a ticketed gradient job on the host-ops thread (started at the first), in the order its turns were
+        reserved: deferred resolutions, and `zero_grad()`'s ([Note: zeroing as each bucket is stepped])."""
+        if self.host_ops is None:
+            self.host_ops = SerialExecutor(self.failure, "roundpipe-host-ops")
+        self.host_ops.submit(job)
 
     def wait_idle(self) -> None:
         if self.host_ops is not None:

@@ -34,6 +34,7 @@ from ..stepping.step_norm import PendingGradNorm
 from ..stepping.steppers import hyper_parameters, prefer_fused
 from . import foreign_steps
 from .step_policy import ExactStep, LaggedStep, StepSite
+from .zeroing import zeroing_job
 
 
 class RoundPipeOptimizer(torch.optim.Optimizer):
@@ -301,20 +302,11 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             self._reserve_zeroing(set_to_none)
 
     def _reserve_zeroing(self, set_to_none: bool) -> None:
-        for bucket in self.step_order:
-            ticket = bucket.grads.reserve()
-
-            def zero(bucket=bucket, ticket=ticket) -> None:
-                bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for zero_grad")
-                try:
-                    if set_to_none:
-                        bucket.clear()
-                    else:
-                        bucket.zero()
-                finally:
-                    bucket.grads.end(ticket)
-
-            self.thread.submit(zero)
+        """Each bucket cleared (or zeroed) in a turn after its step, as soon as it is stepped, beside the optimizer
+        thread ([Note: zeroing as each bucket is stepped])."""
+        turns = [(bucket, bucket.grads.reserve()) for bucket in self.step_order]
+        submit = self.thread.submit if self._deferred_passes is None else self._deferred_passes.submit
+        submit(zeroing_job(turns, set_to_none, self.failure))
 
     def _drop_pending_passes(self) -> None:
         if self._deferred_passes is not None:
