@@ -49,11 +49,11 @@ BACKWARD_SHARE = 2 / 3
 # Bytes per trainable parameter that each collective's buffer holds: float32 gradients; float32 optimizer copies.
 REDUCE_BYTES, GATHER_BYTES = 4, 4
 # Host bytes (runtime/state/host_budget.py, bf16 compute and float32 optimizer dtype, AdamW): every parameter's compute
-# copy; per trainable parameter on every node the optimizer copy (full: the all-gather fills it), the gradient and
-# its spare ([Note: gradient swap]); split over the nodes AdamW's two moments and, with N > 1, the node's range of
-# the reduced gradient (`BucketShard.grad`).
+# copy; per trainable parameter on every node the optimizer copy (full: the all-gather fills it) and the gradient
+# (every bucket's at once with a clip or accumulation; no spare: [Note: no spare gradient buffer]); split over the
+# nodes AdamW's two moments and, with N > 1, the node's range of the reduced gradient (`BucketShard.grad`).
 COMPUTE_BYTES = 2
-FULL_TRAINABLE_BYTES = 4 + 4 + 4
+FULL_TRAINABLE_BYTES = 4 + 4
 ADAM_STATE_BYTES = 8
 REDUCED_GRAD_BYTES = 4
 

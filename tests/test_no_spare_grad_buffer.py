@@ -68,6 +68,7 @@ def test_a_burst_is_released_once_its_size_is_idle():
         pool.give(pool.take(like))
     assert pool.free_bytes() == 4000
     assert pool.allocated == 5 and pool.released == 4
+    assert (pool.bytes, pool.peak_bytes) == (4000, 20000)  # alive now, and at most
 
 
 def test_a_size_held_busy_keeps_only_the_downloads_in_flight():

@@ -113,12 +113,12 @@ def test_host_memory_is_the_stores_on_one_node_and_splits_only_adams_state():
     frozen, trainable = 3 * 10**6, 10**6
     one_node = store_bytes([(frozen, torch.bfloat16, False), (trainable, torch.bfloat16, True)], fp32)
     assert sm.host_bytes_per_node(frozen + trainable, trainable, 1) == one_node
-    # N > 1: the optimizer copy, gradient and spare stay whole (12 bytes); AdamW's moments (8) and the reduced
-    # gradient's range (4) split.
-    assert sm.host_bytes_per_node(10, 10, 2) == 10 * 2 + 10 * 12 + 10 * 12 / 2
+    # N > 1: the optimizer copy and gradient stay whole (8 bytes); AdamW's moments (8) and the reduced gradient's
+    # range (4) split.
+    assert sm.host_bytes_per_node(10, 10, 2) == 10 * 2 + 10 * 8 + 10 * 12 / 2
     full = sm.WORKLOADS[0]
     params = sm.total_params(full.arch)
-    assert sm.host_gib_per_node(full, 1) * 2**30 == pytest.approx(22 * params)
+    assert sm.host_gib_per_node(full, 1) * 2**30 == pytest.approx(18 * params)
 
 
 def test_shapes_match_the_planner_and_count_like_hugging_face():

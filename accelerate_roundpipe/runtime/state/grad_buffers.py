@@ -46,6 +46,8 @@ class GradBufferPool:
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made so far: flat in the steady state, when every download reuses one
         self.released = 0  # buffers let go of beyond what the last busy period of their size needed
+        self.bytes = 0  # of every buffer the pool made and did not release (free, in downloads, held by buckets)
+        self.peak_bytes = 0  # the most `bytes` so far: the gradient buffers alive at once (benchmarks/host_bytes.py)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """A free buffer of `like`'s size and dtype (contents undefined); give it back when nobody reads it."""
@@ -57,6 +59,8 @@ class GradBufferPool:
             if free:
                 return free.pop()
             self.allocated += 1
+            self.bytes += like.numel() * like.element_size()
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
         return self.memory.empty(like.numel(), like.dtype)
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -72,6 +76,7 @@ class GradBufferPool:
                 keep = self._peak.pop(key, 1)
                 excess, free[keep:] = free[keep:], []
             self.released += len(excess)
+            self.bytes -= sum(t.numel() * t.element_size() for t in excess)
         if excess:
             self.memory.give_back(*excess)
 

@@ -1,9 +1,12 @@
 """Will the host store fit in host memory? A warning before the OS's out-of-memory killer answers instead.
 
 RoundPipe keeps everything on the host: for each trainable parameter the compute copy, the optimizer copy, the
-gradient buffer, its spare ([Note: gradient swap]) and, with AdamW (the usual choice; the optimizer is not known when
-the store is built), two optimizer states; frozen parameters keep the compute copy only. The model's own parameters
-are freed as the store takes them over, so they count as available.
+gradient buffer and, with AdamW (the usual choice; the optimizer is not known when the store is built), two optimizer
+states; frozen parameters keep the compute copy only. A bucket holds its gradient buffer only while it holds
+gradients and there is no spare beside it ([Note: no spare gradient buffer]); every bucket's is counted, as a clip or
+accumulation across calls holds them all until the step (without either, the buckets already stepped hold none:
+[Note: zeroing as each bucket is stepped]). The model's own parameters are freed as the store takes them over, so
+they count as available.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def store_bytes(params: list[tuple[int, torch.dtype, bool]], optimizer_dtype_of)
     for numel, dtype, trainable in params:
         total += numel * dtype.itemsize
         if trainable:
-            total += numel * optimizer_dtype_of(dtype).itemsize * (3 + OPTIMIZER_STATES)
+            # the optimizer copy, the gradient and the optimizer states
+            total += numel * optimizer_dtype_of(dtype).itemsize * (2 + OPTIMIZER_STATES)
     return total
 
 
@@ -42,7 +46,7 @@ def warn_if_short(needed: int, freed: int, available: int | None = None) -> str 
     if available is None or needed <= HEADROOM * (available + freed):
         return None
     message = (f"RoundPipe's host store needs about {needed / 2**30:.1f} GiB (compute copies, optimizer copies, "
-               f"gradients and their spares, AdamW state) and this machine has about {(available + freed) / 2**30:.1f}"
+               f"gradients, AdamW state) and this machine has about {(available + freed) / 2**30:.1f}"
                f" GiB available: training may be killed for lack of memory. Train fewer parameters (LoRA: frozen "
                f"weights keep one copy), a smaller model, or free host memory.")
     logger.warning(message)
