@@ -15,6 +15,8 @@ and how much of it is page-locked). Configurations:
 Each record also has the process's resident memory growth (from before the model was built to after the steps,
 with freed memory given back to the OS first) beside the counted sum, as a check that nothing large is missed, and
 on a GPU what torch's caching allocator of page-locked host memory holds (activation downloads), outside the sum.
+The count is taken after `zero_grad()`, when the buckets hold no gradient buffer ([Note: no spare gradient buffer]):
+`grad peak` is the most bytes of gradient buffers alive at once during the run (all of them are the pool's).
 
     python3 benchmarks/host_bytes.py [--tiny] [--model qwen3|llama] [--hidden 512] [--layers 8] [--out f.jsonl]
 """
@@ -141,6 +143,7 @@ def run_one(name: str, devices: list[str], placement: str, args, shape: dict) ->
         looked = count_host_buffers(engine)
         counts = parameter_counts(engine)
         dtypes, cache = dtypes_of(engine), torch_pinned_cache()
+        grad_peak = engine.host_store.grad_pool.peak_bytes
     finally:
         engine.close()
     del engine, optimizer, trainable, model
@@ -157,6 +160,9 @@ def run_one(name: str, devices: list[str], placement: str, args, shape: dict) ->
         "pinned_bytes_per_trainable_param": round(sum(held.pinned[k] for k in TRAINABLE_KINDS) / trainable_n, 4),
         "frozen_bytes_per_frozen_param": round(held.bytes["frozen compute"] / frozen_n, 4) if frozen_n else None,
         "counted_bytes": held.total, "rss_growth_bytes": grown,
+        # every host gradient buffer is the pool's ([Note: no spare gradient buffer]): the most alive at once
+        "grad_buffers_peak_bytes": grad_peak,
+        "grad_buffers_peak_bytes_per_trainable_param": round(grad_peak / trainable_n, 4),
         "after_look_bytes": looked.bytes, "stash_bytes_per_trainable_param_after_look":
             round(looked.bytes["stashes"] / trainable_n, 4),
         "torch_pinned_cache": cache, "losses": [round(x, 4) for x in losses], "elapsed_s": round(elapsed, 2)}
@@ -176,14 +182,17 @@ def table(records: list[dict]) -> str:
     """Bytes per trainable parameter by kind (frozen: per frozen parameter), the total, the page-locked share, the
     stash a look adds, and the counted sum against the resident growth."""
     kinds = [k for k in KINDS if k != "frozen compute"]
-    head = ["config", "devices", "place", *[SHORT[k] for k in kinds], "total", "pinned", "+look", "frozen/f",
+    head = ["config", "devices", "place", *[SHORT[k] for k in kinds], "total", "grad peak", "pinned", "+look",
+            "frozen/f",
             "counted MB", "RSS+ MB", "torch pinned cache MB"]
     rows = [head]
     for r in records:
         per = r["bytes_per_trainable_param"]
         frozen = r["frozen_bytes_per_frozen_param"]
         rows.append([r["config"], r["devices"], r["optimizer_placement"], *[f"{per[k]:.2f}" for k in kinds],
-                     f"{r['host_bytes_per_trainable_param']:.2f}", f"{r['pinned_bytes_per_trainable_param']:.2f}",
+                     f"{r['host_bytes_per_trainable_param']:.2f}",
+                     f"{r['grad_buffers_peak_bytes_per_trainable_param']:.2f}",
+                     f"{r['pinned_bytes_per_trainable_param']:.2f}",
                      f"{r['stash_bytes_per_trainable_param_after_look']:.2f}",
                      "-" if frozen is None else f"{frozen:.2f}", f"{r['counted_bytes'] / 1e6:.1f}",
                      f"{r['rss_growth_bytes'] / 1e6:.1f}", cache_mb(r["torch_pinned_cache"])])

@@ -79,6 +79,11 @@ def test_the_counts_follow_the_model(records, config):
     # the pool's free buffers: whole buckets' gradient buffers, what the steps needed at once (the gradients held
     # until their step and the downloads in flight beside them: at most one more per bucket)
     assert 0 < held["spare gradients"] <= 2 * 4 * elements and held["spare gradients"] % 4 == 0
+    # the gradient buffers alive at once: every bucket's where a clip or accumulation holds them until the step
+    peak = record["grad_buffers_peak_bytes"]
+    assert held["spare gradients"] <= peak <= 2 * 4 * elements
+    if config in ("exact+clip", "exact+accumulation", "deferred+accumulation"):
+        assert peak >= 4 * elements
     assert held["deferred gradients"] == (4 * elements if config == "deferred+accumulation" else 0)
     assert held["stashes"] == 0  # counted before any look
     assert record["after_look_bytes"]["stashes"] == (2 * elements if config == "lagged" else 0)
