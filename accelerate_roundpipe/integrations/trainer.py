@@ -224,11 +224,12 @@ class RoundPipeTrainer(Trainer):
 
     def _metrics_window(self, engine) -> bool:
         """Measure from now on for `engine`; True when a window was already open (so it has rates to give)."""
-        if self._roundpipe_metrics is not None and self._roundpipe_metrics.engine is engine:
-            return True
+        if self._roundpipe_metrics is not None and self._roundpipe_metrics.counters is engine.counters:
+            return True  # each engine counts into its own counters
         peak = engine.config.peak_tflops
-        self._roundpipe_metrics = MetricsWindow(engine, model_training_flops_per_token(engine.module),
-                                      peak * 1e12 * len(engine.devices) if peak else None)
+        self._roundpipe_metrics = MetricsWindow(engine.counters, engine.trace, engine.devices,
+                                                model_training_flops_per_token(engine.module),
+                                                peak * 1e12 * len(engine.devices) if peak else None)
         return False
 
     # ------------------------------------------------------------------ training step

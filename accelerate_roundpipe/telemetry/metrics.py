@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from .trace import TraceRecorder
 
 
 @dataclass
@@ -37,33 +41,48 @@ def host_rss_gib() -> float:
     return 0.0
 
 
-def gpu_peak_gib(devices) -> float:
+class MemoryGauge(Protocol):
+    """A device's memory peak, read at each sample (the runtime's devices are gauges)."""
+
+    tracks_memory: bool  # the device counts its allocated memory
+
+    def peak_allocated_bytes(self) -> int | None:
+        """The most memory allocated since the last reset; None where the device does not count its memory."""
+
+
+def gpu_peak_gib(devices: Iterable[MemoryGauge]) -> float:
     """The highest peak of allocated memory among the devices that count theirs (0 for CPU workers)."""
     peaks = [peak for peak in (d.peak_allocated_bytes() for d in devices) if peak is not None]
     return max(peaks, default=0) / 2**30
 
 
 class MetricsWindow:
-    """Rates between two calls of `sample()`."""
+    """Rates between two calls of `sample()`.
 
-    def __init__(self, engine, flops_per_token: float | None = None, peak_flops: float | None = None) -> None:
-        self.engine = engine
+    It reads what changes while the engine runs, live, through telemetry's own types: `counters`, the engine's
+    `EngineCounters` (the tokens it ran), `trace`, its `TraceRecorder` (None when no trace is recorded: no bubble),
+    and `devices`, the gauges of its devices' memory peaks. A snapshot (`engine_view.py`) would be stale at the
+    next log; these are read at each `sample()`, and nothing else of the engine is."""
+
+    def __init__(self, counters: EngineCounters, trace: TraceRecorder | None, devices: Sequence[MemoryGauge] = (),
+                 flops_per_token: float | None = None, peak_flops: float | None = None) -> None:
+        self.counters, self.trace, self.devices = counters, trace, tuple(devices)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
-        self._tokens = engine.counters.tokens
+        self._tokens = counters.tokens
         self._time = time.perf_counter()
 
     def sample(self) -> dict[str, float]:
-        now, tokens = time.perf_counter(), self.engine.counters.tokens
+        now, tokens = time.perf_counter(), self.counters.tokens
         since, elapsed = self._time, max(now - self._time, 1e-9)
         rate = (tokens - self._tokens) / elapsed
         self._tokens, self._time = tokens, now
         metrics = {"roundpipe/tokens_per_s": round(rate, 1), "roundpipe/host_rss_gib": round(host_rss_gib(), 2)}
-        if any(d.tracks_memory for d in self.engine.devices):
-            metrics["roundpipe/gpu_peak_gib"] = round(gpu_peak_gib(self.engine.devices), 2)
+        if any(d.tracks_memory for d in self.devices):
+            metrics["roundpipe/gpu_peak_gib"] = round(gpu_peak_gib(self.devices), 2)
         if self.flops_per_token and self.peak_flops:
             metrics["roundpipe/mfu"] = round(rate * self.flops_per_token / self.peak_flops, 4)
-        if self.engine.trace is not None:
+        if self.trace is not None:
             metrics["roundpipe/bubble"] = round(self._measured_bubble(since), 4)
         return metrics
 
@@ -71,7 +90,7 @@ class MetricsWindow:
         """Idle share of the devices' task spans (GPU compute, else worker host) recorded since `since`."""
         from .report import measured_bubble
 
-        spans = [s for s in self.engine.trace.spans() if s.start >= since]
+        spans = [s for s in self.trace.spans() if s.start >= since]
         kind = " compute" if any(s.track.endswith(" compute") for s in spans) else " host"
         return measured_bubble([s for s in spans if s.track.endswith(kind)])
 

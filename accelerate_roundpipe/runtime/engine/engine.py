@@ -19,6 +19,7 @@ from ...config import RoundPipeConfig
 from ...plan.layer_costs import LayerCosts
 from ...plan.partition import Partition
 from ...plan.schedule import Mode, Task
+from ...telemetry.engine_view import EngineSnapshot
 from ...telemetry.metrics import EngineCounters
 from ...telemetry.summary import announce, engine_summary
 from ...telemetry.trace import maybe_span, save_when_freed
@@ -41,6 +42,7 @@ from ..state.placement import OptimizerPlacement
 from . import engine_checkpoint
 from .engine_parts import build_engine_parts
 from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
+from .snapshot import engine_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -385,10 +387,15 @@ class RoundPipe(HostResidentModule):
     def partition(self) -> Partition:  # the forward and backward stages the next pass runs ([Note: measured plan])
         return self._launch.partition
 
+    def snapshot(self) -> EngineSnapshot:
+        """How the engine runs now, as frozen plain data: what telemetry reads (the start summary)."""
+        return engine_snapshot(self.config, self.devices, len(self.layers), self.partition, self.optimizer,
+                               self._placement, self.data_parallel, self._store, self.summary_notes)
+
     def _before_pass(self) -> None:
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
-            announce(engine_summary(self), self.config.resolved_summary)
+            announce(engine_summary(self.snapshot()), self.config.resolved_summary)
 
     # ------------------------------------------------------------------ nn.Module behaviour
 

@@ -1,0 +1,69 @@
+"""What telemetry knows of an engine: `EngineSnapshot`, frozen plain data the runtime hands it
+(`RoundPipe.snapshot()`, built in `runtime/engine/snapshot.py`).
+
+Telemetry sits below the runtime and imports nothing from it; it used to read the engine duck-typed by attribute
+names (and reach into its optimizer and host store), so a rename in the runtime broke the start summary only when
+it printed. The snapshot names every fact it reads as a typed field, the runtime fills them in one place, and a
+snapshot cannot change behind the text printed from it. What changes while the engine runs (the token counts, the
+trace, the devices' memory peaks) is not copied here: `MetricsWindow` reads it live (`telemetry/metrics.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    name: str  # the torch device, as printed: "cpu", "cuda:0"
+    is_cuda: bool
+    tracks_memory: bool  # it counts its allocated memory (the metrics' GPU peak)
+
+
+@dataclass(frozen=True)
+class OptimizerView:
+    name: str  # the wrapped optimizer's class, e.g. "AdamW"
+    lagged: bool  # async_optimizer: the step applies one pass late
+    exact_steps_first: int  # the lagged step's warm-up: this many exact steps first
+
+
+@dataclass(frozen=True)
+class PlacementView:
+    """Where the trainable buckets' optimizer state lives ([Note: optimizer placement])."""
+
+    summary: str  # its line of the start summary
+    device_bytes: int  # bytes kept on devices, not in host memory
+
+
+@dataclass(frozen=True)
+class DataParallelView:
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The host store, in numbers."""
+
+    estimated_bytes: int  # compute and optimizer copies, gradients and optimizer state, placed or not
+    compute_bytes: int  # the compute copies alone (never leave host memory)
+    compute_dtypes: tuple[str, ...]  # sorted, without "torch."
+    optimizer_dtypes: tuple[str, ...]  # of the buckets with an optimizer copy; () when none has one
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    devices: tuple[DeviceView, ...]
+    layers: int  # pipeline layers
+    plan: str  # the resolved plan: "static" or "measured"
+    partition: str  # the stages the next pass runs, as printed
+    num_microbatches: int | None  # as set; None: the engine's choice
+    microbatches_per_round: int | None
+    recompute: str  # the resolved setting
+    trace_path: str | None  # None: no trace is recorded
+    optimizer: OptimizerView | None  # None until one is wrapped
+    placement: PlacementView | None  # None until an optimizer is wrapped
+    data_parallel: DataParallelView | None  # None on one process
+    store: StoreView
+    notes: tuple[tuple[str, str], ...] = ()  # (name, text) lines the integrations add (e.g. "clipping")
