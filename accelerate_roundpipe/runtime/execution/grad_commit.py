@@ -68,11 +68,7 @@ class GradCommits:
         """Where a bucket's gradients (elements `window`) land, in the optimizer dtype: a buffer of the host pool, or
         for a bucket kept on a device, a buffer there, which becomes its gradient buffer as a host one would
         ([Note: gradient swap], [Note: optimizer placement])."""
-        like = bucket.optim[slice(*window)]
-        if bucket.home is None:
-            return self.store.grad_pool.take(like)
-        spare = bucket.take_spare_grad(like.numel(), like.dtype)  # [Note: device gradient buffers reused]
-        return spare if spare is not None else self.device.empty_grads_on(bucket.home, like.numel(), like.dtype)
+        return bucket.tier.download_buffer(bucket, bucket.optim[slice(*window)], self.device)  # [Note: state tiers]
 
     @staticmethod
     def in_backward_order(commits: dict[int, list[tuple[int, int]]]) -> list[tuple[int, int]]:
@@ -118,9 +114,5 @@ class GradCommits:
                 raise
             finally:
                 bucket.grads.end(ticket)
-            if spare is None:  # swapped into a bucket that held no buffer ([Note: no spare gradient buffer])
-                pass
-            elif bucket.home is None:
-                self.store.grad_pool.give(spare)
-            else:  # its kernels are done (bucket.settle): the next download may convert into it
-                bucket.give_spare_grad(spare)
+            if spare is not None:  # None: swapped into a bucket that held no buffer ([Note: no spare gradient buffer])
+                bucket.tier.return_spare(bucket, spare)  # the pool, or a device bucket's spare ([Note: state tiers])

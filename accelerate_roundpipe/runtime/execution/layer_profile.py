@@ -126,7 +126,7 @@ def _crossing_bytes(store: HostStore, layer: int) -> tuple[int, int]:
     layers = range(layer, layer + 1)
     for index in store.buckets_of_layers(layers):
         bucket = store.buckets[index]
-        if bucket.home is not None:
+        if not bucket.tier.crosses_pcie:  # [Note: state tiers]
             continue
         start, stop = store.window(layers, index)
         up += (stop - start) * bucket.compute.element_size()

@@ -83,8 +83,7 @@ class MeasuredPlan:
         placement = place_optimizer_state(config.resolved_optimizer_placement, config.optimizer_device_budget,
                                           self.devices, self.store, optimizer, data_parallel, self.budget_bytes)
         if self.budget_bytes is not None and placement.device_buckets:
-            homes = {p.home for p in placement.places if p.home is not None}
-            self.budget_bytes -= max(placement.device_bytes(home) for home in homes)
+            self.budget_bytes -= placement.most_on_one_device()
             if not self.enabled:
                 self.keep_limit_bytes = self._static_keep_limit()
         return placement

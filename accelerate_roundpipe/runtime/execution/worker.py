@@ -310,7 +310,7 @@ class Worker:
         if job.results.profile is not None:
             return False
         buckets, here = self.residency.store.buckets, self.device.device
-        return all(buckets[b].home == here for b, _ in job.grad_tickets)
+        return all(buckets[b].tier.grads_stay_on(here) for b, _ in job.grad_tickets)  # [Note: state tiers]
 
     def _fused(self, job: TaskJob) -> bool:
         task, plan = job.task, job.plan

@@ -173,6 +173,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                 begun.append((bucket, ticket))
             self.failure.check()  # a turn ended by a failed commit is not a gradient to step with
             faults.point("optimizer.step")
+            for bucket, _ in begun:  # a tier whose state is not resident brings it in ([Note: state tiers])
+                bucket.tier.before_step(bucket)
             stepping, scales = [], []
             for bucket, ticket in begun:
                 if bucket.grad_valid:
@@ -187,6 +189,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             for bucket, _ in begun:
                 if bucket.grad_valid:
                     self.layout.finish_step(bucket)
+                bucket.tier.after_step(bucket)
                 bucket.versions.step_written(current_for_readers)
         finally:
             for bucket, ticket in begun:
@@ -201,17 +204,16 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         they took 26 ms between two iterations, mostly waiting for the GIL (each torch call releases it; other
         threads' Python kept it up to the 5 ms switch interval), for 0.1 ms of kernels."""
         steppers = self.layout.steppers
-        home = buckets[0].home
-        track = "optimizer" if home is None else f"optimizer {home}"
-        with maybe_span(self.trace, track, "step layers " + ", ".join(str(list(b.layers)) for b in buckets)), \
+        names = ", ".join(str(list(b.layers)) for b in buckets)
+        with maybe_span(self.trace, buckets[0].tier.track, "step layers " + names), \
                 foreign_steps.engine_steps():  # our steppers' ([Note: optimizers the engine does not step])
             if len(buckets) > 1 and len(set(scales)) == 1 and steppers.steps_together:
                 steppers.step_together(buckets, hyper, scales[0])
             else:
                 for bucket, scale in zip(buckets, scales):
                     steppers.step(bucket, hyper, scale)
-            for bucket in {str(b.home): b for b in buckets}.values():  # once per device
-                bucket.settle()
+            for tier in {id(b.tier): b.tier for b in buckets}.values():  # once per device ([Note: state tiers])
+                tier.settle()
 
     def _write_back(self, bucket: Bucket, ticket: int) -> None:
         """Write the optimizer copy into the compute copy, in write turn `ticket`."""
@@ -250,8 +252,9 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
 
     def stepped_without_write_back(self, buckets: list[Bucket]) -> None:
         """`buckets` got an exact step whose compute copies are not written yet. A bucket on a device is written
-        only when someone looks (`synchronize`): its readers read the device's copy."""
-        self._stale_compute.update((bucket.index, bucket) for bucket in buckets if bucket.home is None)
+        only when someone looks (`synchronize`): its readers read the device's copy ([Note: state tiers])."""
+        self._stale_compute.update((bucket.index, bucket) for bucket in buckets
+                                   if bucket.tier.stale_compute_after_exact_step)
 
     def hold_writeback(self, bucket: Bucket) -> None:
         """`bucket` got a lagged step whose write-back waits for the next iteration's reads."""
@@ -358,8 +361,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.show_newest()
         self.failure.check()
         for bucket in self.store.trainable_buckets:  # the optimizer thread is idle: the device's copies are final
-            if bucket.home is not None:
-                bucket.versions.show_current()  # a no-op for a bucket whose compute copy shows its last step
+            bucket.tier.on_look(bucket)
 
     def close(self, replaced: bool = False) -> None:
         self.replaced = self.replaced or replaced  # by a later optimizer: calls are refused from now on

@@ -34,6 +34,17 @@ class StepSite:
     hold_writeback: Callable[[Bucket], None]  # a lagged step's write-back, released at the next `step()`
 
 
+def announce_steps(buckets: list[Bucket], clip: GradientClip | None) -> None:
+    """Tell each tier its buckets among `buckets` (in backward order) in the order the coming step takes them:
+    backward order, bottom-up after a clip ([Note: exact step order]); a disk tier's prefetch order
+    ([Note: state tiers])."""
+    by_tier: dict[int, tuple[Any, list[Bucket]]] = {}
+    for bucket in (buckets if clip is None else reversed(buckets)):
+        by_tier.setdefault(id(bucket.tier), (bucket.tier, []))[1].append(bucket)
+    for tier, its in by_tier.values():
+        tier.will_step(its)
+
+
 class ExactStep:
     """Iteration k+1 reads the weights after step k: each bucket steps in its write turn, straight into the
     optimizer copy the next uploads read ([Note: exact step without write-back])."""
@@ -45,6 +56,7 @@ class ExactStep:
         return bucket, bucket.grads.reserve(), bucket.reads.reserve_write()
 
     def schedule(self, site: StepSite, hyper: Hyper, clip: GradientClip | None) -> None:
+        announce_steps(site.step_order, clip)
         entries = [self.reserve(bucket) for bucket in site.step_order]
         site.submit(self.job(site, entries, hyper, clip))
         site.stepped_without_write_back(site.step_order)
@@ -81,8 +93,9 @@ class ExactStep:
                                           f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
                 entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
                 # a device bucket goes with the other device buckets ready: [Note: device steps in one call]
-                on_device = entry[0].home is not None
-                batch = [pending[i] for i in ready if pending[i][0].home is not None] if on_device else [entry]
+                group = entry[0].tier.step_group
+                batch = [entry] if group is None else [pending[i] for i in ready
+                                                       if pending[i][0].tier.step_group == group]
                 for each in batch:
                     pending.remove(each)
                 site.step_exactly(batch, hyper, clip)
@@ -106,11 +119,14 @@ class LaggedStep:
         site.write_back_stale()
         # [Note: device steps are exact]: the device buckets first, as an exact step of their own (together and
         # bottom-up), so the next forward never waits behind the host's lagged steps, which the lag hides anyway.
-        on_device = [ExactStep.reserve(bucket) for bucket in site.step_order if bucket.home is not None]
+        exact = [bucket for bucket in site.step_order if bucket.tier.steps_exactly_when_lagged]
+        announce_steps(exact, clip)
+        announce_steps([bucket for bucket in site.step_order if not bucket.tier.steps_exactly_when_lagged], None)
+        on_device = [ExactStep.reserve(bucket) for bucket in exact]
         if on_device:
             site.submit(ExactStep.job(site, on_device, hyper, clip))
         for bucket in site.step_order:  # backward order: each job waits only for its own bucket's gradients
-            if bucket.home is None:
+            if not bucket.tier.steps_exactly_when_lagged:
                 turn = (bucket, bucket.grads.reserve())
                 site.submit(lambda turn=turn: site.step([turn], hyper, clip))
                 site.hold_writeback(bucket)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..common.sync import ReadWriteOrder, Sequencer
 from .grad_buffers import GradBufferPool
+from .tiers import HOST, StateTier
 from .weight_versions import StepCount, WeightVersions
 
 
@@ -51,6 +52,8 @@ class Bucket:
     # Where `optim`, `grad` and the optimizer's state live: None for the host, else the bucket's home device
     # ([Note: optimizer placement]); set once, by `rehome`, before the optimizer's first step.
     home: torch.device | None = None
+    # The tier that owns them, asked for everything that differs between tiers ([Note: state tiers]).
+    tier: StateTier = field(default=HOST, repr=False)
     # Which copy holds which version, changed only through its transitions ([Note: weight versions]).
     versions: WeightVersions = field(init=False)
     # A bucket on a device: gradient buffers it let go of, for the next download to convert into, and the
@@ -87,11 +90,13 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
-    def rehome(self, home: torch.device, optim: torch.Tensor, grad: torch.Tensor,
+    def rehome(self, tier: StateTier, optim: torch.Tensor, grad: torch.Tensor,
                pending: torch.Tensor | None) -> None:
-        """The optimizer copy, gradient and pending gradients now live on `home` ([Note: optimizer placement]): the
-        optimizer's parameters (same objects) view the new copy."""
-        self.home, self.optim, self.grad, self.pending = home, optim, grad, pending
+        """The optimizer copy, gradient and pending gradients now live in `tier`, on its device
+        ([Note: optimizer placement], [Note: state tiers]): the optimizer's parameters (same objects) view the new
+        copy."""
+        self.tier, self.home = tier, tier.device
+        self.optim, self.grad, self.pending = optim, grad, pending
         for slot, view in zip(self.slots, self.views(optim)):
             slot.optim.data = view
         if self.grad_valid:
@@ -105,9 +110,9 @@ class Bucket:
         kernels before its turn ends, so the next holder of the turn (on any thread and stream) and a reader
         uploading the optimizer copy find the work done, exactly as on the host. The cost is the kernels' own
         time (a layer's AdamW step on an H200 is well under a millisecond) on a background thread; nothing orders
-        streams across threads, which would need an event per bucket and turn. A no-op for host buckets."""
-        if self.home is not None and self.home.type == "cuda":
-            torch.cuda.current_stream(self.home).synchronize()
+        streams across threads, which would need an event per bucket and turn. A no-op for host buckets: the
+        bucket's tier knows ([Note: state tiers])."""
+        self.tier.settle()
 
     # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
     # bucket's gradient turn (`grads`), on whichever host thread holds it.

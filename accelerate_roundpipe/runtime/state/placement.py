@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .bucket import Bucket
+from .tiers import DeviceTier, device_bytes_of
 
 DEVICE_SHARE = 0.5  # of the GPU memory budget, the default device budget of the optimizer placement
 
@@ -86,6 +87,11 @@ class OptimizerPlacement:
         """Bytes placed on `home` (every device when None)."""
         return sum(p.device_bytes for p in self.places if p.home is not None and home in (None, p.home))
 
+    def most_on_one_device(self) -> int:
+        """The bytes placed on the device holding the most (0 with none)."""
+        return max((self.device_bytes(home) for home in {p.home for p in self.places if p.home is not None}),
+                   default=0)
+
     def summary(self) -> str:
         """One line for the start summary."""
         on_device = self.device_buckets
@@ -106,12 +112,6 @@ class OptimizerPlacement:
 
 def _layers(layers: tuple[int, ...]) -> str:
     return str(layers[0]) if len(layers) == 1 else ",".join(str(i) for i in layers)
-
-
-def device_bytes_of(bucket: Bucket, copies: int) -> int:
-    """A bucket's bytes on a device: its optimizer copy, its gradient, the spare gradient buffer the next download
-    converts into ([Note: device gradient buffers reused]) and `copies` state tensors of that size."""
-    return bucket.optim.numel() * bucket.optim.element_size() * (3 + copies)
 
 
 def plan_placement(setting: str, buckets: list[Bucket], homes: list[torch.device], budget_bytes: float | None,
@@ -137,14 +137,15 @@ def plan_placement(setting: str, buckets: list[Bucket], homes: list[torch.device
     return OptimizerPlacement(setting, budget_bytes, tuple(sorted(places, key=lambda p: p.bucket)))
 
 
-def move_home(bucket: Bucket, home: torch.device) -> None:
-    """Move `bucket`'s optimizer copy and gradient to `home` (ordinary device memory); the host's are given back.
-    Called while nothing runs (the optimizer is being wrapped)."""
+def move_home(bucket: Bucket, tier: DeviceTier) -> None:
+    """Move `bucket`'s optimizer copy and gradient to `tier`'s device (ordinary device memory); the host's are given
+    back. Called while nothing runs (the optimizer is being wrapped)."""
+    home = tier.device
     with torch.no_grad():
         optim = bucket.optim.to(home, copy=True)
         grad = bucket.grad.to(home, copy=True) if bucket.grad_valid else torch.zeros_like(optim)
         pending = bucket.pending.to(home, copy=True) if bucket.pending is not None else None
-    bucket.rehome(home, optim, grad, pending)
+    bucket.rehome(tier, optim, grad, pending)
 
 
 def place_optimizer_state(setting: str, budget_gib: float | None, devices: list, store,
@@ -170,11 +171,12 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
     else:
         budget = None if memory_budget_bytes is None else DEVICE_SHARE * memory_budget_bytes
     placement = plan_placement(setting, store.trainable_buckets, homes, budget, state_copies(optimizer), host_reason)
+    tiers: dict[str, DeviceTier] = {}  # one per home device ([Note: state tiers])
     for place in placement.places:
         if place.home is not None:
             bucket = store.buckets[place.bucket]
             old_optim, old_grad = bucket.optim, bucket.grad
-            move_home(bucket, torch.device(place.home))
+            move_home(bucket, tiers.setdefault(place.home, DeviceTier(torch.device(place.home))))
             store.memory.give_back(old_optim)
             if old_grad is not None:  # gradients held before the placement ([Note: no spare gradient buffer])
                 store.grad_pool.give(old_grad)
