@@ -12,7 +12,7 @@ from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime.devices.pinned import HostMemory
-from accelerate_roundpipe.runtime.state.grad_buffers import GradBufferPool
+from accelerate_roundpipe.runtime.state.grad_buffers import KEEP_PERIODS, GradBufferPool
 
 from toy_models import batch, tied_model
 
@@ -64,11 +64,26 @@ def test_a_burst_is_released_once_its_size_is_idle():
     for buffer in burst:
         pool.give(buffer)
     assert pool.free_bytes() == 5 * 4000  # the busy period needed 5 at once: the next one reuses them
-    for _ in range(3):  # then one at a time (a bucket's download, its step, its zeroing)
+    for _ in range(KEEP_PERIODS - 1):  # then one at a time (a bucket's download, its step, its zeroing)
         pool.give(pool.take(like))
+    assert pool.free_bytes() == 5 * 4000  # within the last KEEP_PERIODS busy periods: kept
+    pool.give(pool.take(like))
     assert pool.free_bytes() == 4000
     assert pool.allocated == 5 and pool.released == 4
     assert (pool.bytes, pool.peak_bytes) == (4000, 20000)  # alive now, and at most
+
+
+def test_a_jittering_steady_state_allocates_nothing_anew():
+    """Busy periods needing 3, 2, 3, 2, ... buffers at once (the host step's backlog differs by one between steps):
+    nothing is released and page-locked again every other step. Before, each period of 2 released one buffer and
+    the next period of 3 allocated it again (allocated 3 + 9 after 20 periods)."""
+    pool = GradBufferPool(HostMemory(pinned=False))
+    like = torch.zeros(100, dtype=torch.float32)
+    for period in range(20):
+        taken = [pool.take(like) for _ in range(3 if period % 2 == 0 else 2)]
+        for buffer in taken:
+            pool.give(buffer)
+    assert (pool.allocated, pool.released) == (3, 0)
 
 
 def test_a_size_held_busy_keeps_only_the_downloads_in_flight():

@@ -42,10 +42,10 @@ def test_each_bucket_is_cleared_as_soon_as_it_is_stepped():
     steps = len(buckets)
     assert len(SlowSGD.alive) == 2 * steps
     last_step = SlowSGD.alive[steps:]
-    # Every gradient is final before the first bucket steps; each bucket stepped is cleared before the next
-    # one's step ends (STEP_S later), so fewer and fewer hold gradients. Before, all of them held theirs until the
-    # whole step was done.
-    assert last_step[0] == steps, last_step
+    # Each bucket stepped is cleared before the next one's step ends (STEP_S later), so fewer and fewer hold
+    # gradients. Before, all of them held theirs until the whole step was done ([9, 9, ...]). How many hold
+    # gradients at the first step depends on how far the backward's commits got (a loaded machine: fewer): not
+    # asserted.
     assert last_step[-1] < steps // 2, last_step
     assert all(b.grad is None for b in buckets)
     engine.close()

@@ -21,20 +21,26 @@ than the gradients (1 on a model of equal layers, whose buckets share the spares
 
 So that a burst (every gradient of a clipped or accumulated step, downloads that overlapped) does not stay in the
 free list, the pool counts, per size, the buffers out of it (in downloads or held by buckets) and the most out at
-once since that size was last idle; when the last one comes back (the size is idle) the free buffers beyond that
-most are released (unlocked first: [Note: unlock before free]). A run's steady state keeps what its steps need at
-once, so nothing is allocated anew each step; a step that needed more than the one before leaves the extra behind
-only until the next one ends. A size never idle (gradients kept with `zero_grad(set_to_none=False)`) keeps at most
+once since that size was last idle; when the last one comes back (the size is idle) the free buffers beyond the most
+of its last `KEEP_PERIODS` busy periods are released (unlocked first: [Note: unlock before free]). A run's steady
+state keeps what its steps need at once, so nothing is allocated anew each step, even when the number in flight
+differs by one from a step to the next (the backlog of the host step jitters): releasing at the one period's most
+would then unlock and page-lock a buffer every other step, on the worker's thread before its download (and
+`give_back` waits for every device). A burst stays for `KEEP_PERIODS` busy periods of its size, then goes. A size
+never idle (gradients kept with `zero_grad(set_to_none=False)`) keeps at most
 the downloads that were in flight at once.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import torch
 
 from ..devices.pinned import HostMemory
+
+KEEP_PERIODS = 4  # busy periods of a size whose most out at once the free list keeps ([Note: no spare gradient buffer])
 
 
 class GradBufferPool:
@@ -43,6 +49,7 @@ class GradBufferPool:
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._out: dict[tuple[int, torch.dtype], int] = {}  # per size: buffers taken and not given back
         self._peak: dict[tuple[int, torch.dtype], int] = {}  # per size: the most out at once since it was idle
+        self._recent: dict[tuple[int, torch.dtype], deque[int]] = {}  # per size: the last busy periods' most
         self._lock = threading.Lock()
         self.allocated = 0  # buffers made so far: flat in the steady state, when every download reuses one
         self.released = 0  # buffers let go of beyond what the last busy period of their size needed
@@ -73,7 +80,9 @@ class GradBufferPool:
             self._out[key] = self._out.get(key, 0) - 1
             if self._out[key] <= 0:  # idle: keep what its busy period needed at once ([Note: no spare gradient buffer])
                 self._out[key] = 0
-                keep = self._peak.pop(key, 1)
+                recent = self._recent.setdefault(key, deque(maxlen=KEEP_PERIODS))
+                recent.append(self._peak.pop(key, 1))
+                keep = max(recent)
                 excess, free[keep:] = free[keep:], []
             self.released += len(excess)
             self.bytes -= sum(t.numel() * t.element_size() for t in excess)
