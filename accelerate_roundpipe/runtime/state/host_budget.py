@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from ..disk import available_memory_bytes
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_STATES = 2  # AdamW's exp_avg and exp_avg_sq
@@ -33,11 +35,9 @@ def store_bytes(params: list[tuple[int, torch.dtype, bool]], optimizer_dtype_of)
 
 
 def available_bytes() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().available)
+    """The host memory available now: the same measurement as the disk tier's default budget (MemAvailable, capped
+    by a container's memory limit: [Note: default host memory budget]), so the warning and the budget agree."""
+    return available_memory_bytes()
 
 
 def warn_if_short(needed: int, freed: int, available: int | None = None) -> str | None:
