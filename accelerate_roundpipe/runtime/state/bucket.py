@@ -49,10 +49,8 @@ class Bucket:
     # The windows committed since `grad` was last all zero, outside which it is still zero; None: unknown
     # ([Note: row windows]).
     written: list[tuple[int, int]] | None = None
-    # Where `optim`, `grad` and the optimizer's state live: None for the host, else the bucket's home device
-    # ([Note: optimizer placement]); set once, by `rehome`, before the optimizer's first step.
-    home: torch.device | None = None
-    # The tier that owns them, asked for everything that differs between tiers ([Note: state tiers]).
+    # The tier that owns `optim`, `grad` and the optimizer's state, asked for everything that differs between
+    # tiers ([Note: state tiers]); set once, by `rehome`, before the optimizer's first step.
     tier: StateTier = field(default=HOST, repr=False)
     # Which copy holds which version, changed only through its transitions ([Note: weight versions]).
     versions: WeightVersions = field(init=False)
@@ -83,6 +81,12 @@ class Bucket:
     def current(self, newest: bool = False) -> torch.Tensor:
         return self.versions.current(newest)
 
+    @property
+    def home(self) -> torch.device | None:
+        """Where `optim`, `grad` and the optimizer's state live: None for the host, else the bucket's home device
+        ([Note: optimizer placement]); the tier's device."""
+        return self.tier.device
+
     def __str__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"
         return f"bucket{self.index}(layers {list(self.layers)}, {kind}, {self.compute.numel()} x {self.compute.dtype})"
@@ -95,7 +99,7 @@ class Bucket:
         """The optimizer copy, gradient and pending gradients now live in `tier`, on its device
         ([Note: optimizer placement], [Note: state tiers]): the optimizer's parameters (same objects) view the new
         copy."""
-        self.tier, self.home = tier, tier.device
+        self.tier = tier
         self.optim, self.grad, self.pending = optim, grad, pending
         for slot, view in zip(self.slots, self.views(optim)):
             slot.optim.data = view
@@ -170,9 +174,9 @@ class Bucket:
         self.grad_valid = False
         self.grad_sq = None
         self._detach_grads()
-        if self.home is None and self.grad is not None and self.grad_pool is not None:
+        if self.tier.gives_back_cleared_grads and self.grad is not None:
             buffer, self.grad = self.grad, None
-            self.grad_pool.give(buffer)
+            self.tier.return_spare(self, buffer)
 
     def zero(self) -> None:
         """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
@@ -244,7 +248,7 @@ class Bucket:
         return spare if spare.numel() == numel and spare.dtype == dtype else None
 
     def _grad_views(self) -> list[torch.Tensor]:
-        if self.home is None:  # host buffers come from a pool shared by every bucket: no views kept
+        if not self.tier.keeps_grad_views:  # host buffers come from a pool shared by every bucket: no views kept
             return self.views(self.grad)
         for buffer, views in self.grad_views:
             if buffer is self.grad:

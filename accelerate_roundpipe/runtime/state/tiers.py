@@ -58,6 +58,12 @@ class StateTier:
     stale_compute_after_exact_step: bool = True
     crosses_pcie: bool = True  # its uploads and gradient downloads go through host memory
     optim_resident: bool = True  # its optimizer copy is always in memory: readers may read it
+    # `zero_grad(set_to_none=True)` hands the bucket's gradient buffer to `return_spare` (the host's pool:
+    # [Note: no spare gradient buffer]); a device bucket keeps it, its views made once.
+    gives_back_cleared_grads: bool = True
+    # The optimizer's `.grad` views of the bucket's last two gradient buffers are kept
+    # ([Note: device gradient buffers reused]); host buffers come from a pool shared by every bucket.
+    keeps_grad_views: bool = False
 
     def download_buffer(self, bucket: Bucket, like: torch.Tensor, device: Device) -> torch.Tensor:
         """Where `device`'s download of `bucket`'s gradients (sized and typed as `like`) lands
@@ -112,6 +118,8 @@ class DeviceTier(StateTier):
     step_group = "device"  # every device bucket ready goes in one call, as before: torch groups them by device
     stale_compute_after_exact_step = False  # readers read the device's copy; a look writes the compute copy
     crosses_pcie = False  # after its first step nothing of it crosses
+    gives_back_cleared_grads = False
+    keeps_grad_views = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
