@@ -14,7 +14,7 @@ from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.runtime.devices.pinned import HostMemory
 from accelerate_roundpipe.runtime.state.grad_buffers import KEEP_PERIODS, GradBufferPool
 
-from toy_models import batch, tied_model
+from toy_models import batch, tied_model, train_tied_model
 
 
 def gradient_bytes(engine) -> tuple[int, int, int]:
@@ -97,33 +97,12 @@ def test_a_size_held_busy_keeps_only_the_downloads_in_flight():
     assert pool.out_count() == 0
 
 
-def train(set_to_none: bool, clip: float | None, calls: int, steps: int = 4, num_devices: int = 2):
-    torch.manual_seed(0)
-    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * num_devices, num_microbatches=2))
-    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
-    losses = []
-    for step in range(steps):
-        for call in range(calls):
-            x, mask, y = batch(rows=8, seed=10 * step + call)
-            loss = engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy,
-                                           grad_scale=1.0 / calls)
-            losses.append(loss.detach().clone())
-        if clip is not None:
-            optimizer.clip_grad_norm_(clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
-    engine.synchronize()
-    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
-    engine.close()
-    return torch.stack(losses), weights
-
-
 @pytest.mark.parametrize("clip, calls", [(None, 1), (0.05, 1), (None, 2), (0.05, 2)])
 def test_buffers_given_back_change_no_number(clip, calls):
     """A tied weight (two commits a pass: a swap, then an add), clipping and accumulation: zero_grad giving the
     buffers back and zero_grad zeroing them in place train bitwise the same."""
-    losses, weights = train(True, clip, calls)
-    kept_losses, kept_weights = train(False, clip, calls)
+    losses, weights = train_tied_model(True, clip, calls)
+    kept_losses, kept_weights = train_tied_model(False, clip, calls)
     assert torch.equal(losses, kept_losses)
     for name, value in weights.items():
         assert torch.equal(value, kept_weights[name]), name

@@ -11,7 +11,7 @@ from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 
-from toy_models import batch, tied_model
+from toy_models import batch, tied_model, train_tied_model
 
 STEP_S = 0.03  # a slow host step: the optimizer's backlog outlives the backward
 
@@ -51,30 +51,11 @@ def test_each_bucket_is_cleared_as_soon_as_it_is_stepped():
     engine.close()
 
 
-def train(async_optimizer: bool, set_to_none: bool, clip: float | None, steps: int = 4):
-    torch.manual_seed(0)
-    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2,
-                                                     async_optimizer=async_optimizer))
-    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
-    losses = []
-    for step in range(steps):
-        x, mask, y = batch(rows=8, seed=step)
-        losses.append(engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy).clone())
-        if clip is not None:
-            optimizer.clip_grad_norm_(clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=set_to_none)
-    engine.synchronize()
-    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
-    engine.close()
-    return torch.stack(losses), weights
-
-
 @pytest.mark.parametrize("async_optimizer", [False, True])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_zeroing_as_stepped_changes_no_number(async_optimizer, clip):
-    losses, weights = train(async_optimizer, True, clip)
-    kept_losses, kept_weights = train(async_optimizer, False, clip)
+    losses, weights = train_tied_model(True, clip, async_optimizer=async_optimizer)
+    kept_losses, kept_weights = train_tied_model(False, clip, async_optimizer=async_optimizer)
     assert torch.equal(losses, kept_losses)
     for name, value in weights.items():
         assert torch.equal(value, kept_weights[name]), name

@@ -80,6 +80,34 @@ def batch(rows: int = 11, seed: int = 1):
     return x, mask, y
 
 
+def train_tied_model(set_to_none: bool = True, clip: float | None = None, calls: int = 1, steps: int = 4,
+                     num_devices: int = 2, async_optimizer: bool = False):
+    """`steps` AdamW steps of the engine on `tied_model()` (CPU workers, 2 micro-batches), each over `calls`
+    forward_backward calls (scaled by 1 / calls), clipped to `clip`, then `zero_grad(set_to_none)`: the losses and
+    the final weights, for comparing two ways of training bitwise."""
+    from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+
+    torch.manual_seed(0)
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"] * num_devices, num_microbatches=2,
+                                                     async_optimizer=async_optimizer))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-2))
+    losses = []
+    for step in range(steps):
+        for call in range(calls):
+            x, mask, y = batch(rows=8, seed=10 * step + call)
+            loss = engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy,
+                                           grad_scale=1.0 / calls)
+            losses.append(loss.detach().clone())
+        if clip is not None:
+            optimizer.clip_grad_norm_(clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    engine.synchronize()
+    weights = {name: p.detach().clone() for name, p in engine.named_parameters()}
+    engine.close()
+    return torch.stack(losses), weights
+
+
 def run_layers(model: nn.Sequential, inputs: tuple, seeds: list[int] | None = None):
     h = inputs
     for index, layer in enumerate(model):
