@@ -143,3 +143,23 @@ def test_buckets_whose_optimizer_state_is_on_the_device_cross_nothing():
     assert costs.param_bytes == tuple(weights) and sum(weights) > 0  # they take the device's memory
     assert costs.upload_bytes == (0,) * len(weights) and costs.download_bytes == (0,) * len(weights)
     engine.close()
+
+
+def test_when_the_measured_microbatches_do_not_fit_more_smaller_ones_are_planned():
+    # 2 micro-batches of 8 rows measured on one device: 400 MB of activations a row, so a micro-batch of 8 rows
+    # needs more than the planner's share of 4 GiB; 4 of 4 rows fit ([Note: more micro-batches when the measured
+    # ones do not fit]). Before: the re-plan raised for every count up to 2 and kept the unplanned partition.
+    config = RoundPipeConfig(devices=["cpu"], plan="measured", gpu_memory_budget=4)
+    gpus = [SimpleNamespace(total_memory_bytes=lambda: 4 * 2**30)]
+    plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6))
+    r = 8
+    costs = LayerCosts(forward_s=[1e-3 * r] * 6, backward_s=[2e-3 * r] * 6, param_bytes=[50 * MB] * 6,
+                       grad_bytes=[50 * MB] * 6, act_bytes=[400 * MB * r] * 6, input_bytes=[2 * MB * r] * 6)
+    plan.measured(InjectedProfile(costs, 25e9), [], 2, 16)
+    current = Partition(num_layers=6, forward=(Span(0, 5),), backward=(Span(0, 5), Span(5, 6)))
+    chosen = plan.replan(current, failure=None)
+    assert plan.transfer_plan is not None and plan.chosen_microbatches == plan.transfer_plan.num_microbatches
+    assert plan.chosen_microbatches > 2
+    assert chosen == plan.transfer_plan.planned.partition and chosen != current
+    for count, _ in plan.transfer_plan.predicted_s:
+        assert count > 2  # none of the measured count or fewer fit

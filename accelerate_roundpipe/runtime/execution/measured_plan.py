@@ -8,10 +8,10 @@ fewest micro-batches for which the whole model fits), several take `plan_from_co
 memory allows). The planner works with `PLAN_SHARE` of the budget (the CUDA context, allocator slack and transfers
 in flight take the rest). Its transfer times use the upload rate measured over that pass's weight uploads
 (`PCIE_BYTES_PER_S`, assumed, only when none could be timed). When `num_microbatches` is unset, the count is then
-weighed against the transfers: that count and the smaller ones are planned and their passes predicted, and the
-shortest is kept ([Note: micro-batches chosen for transfers]). The start summary's `transfers:` line, printed after
-the re-plan, says whether the plan is transfer-bound and which batch would hide its uploads
-([Note: transfers sized to the batch]). If no plan fits, the partition that just ran is kept.
+weighed against the transfers: that count and the smaller ones are planned and their passes predicted (the larger
+ones when none of those fits), and the shortest is kept ([Note: micro-batches chosen for transfers]). The start
+summary's `transfers:` line, printed after the re-plan, says whether the plan is transfer-bound and which batch would
+hide its uploads ([Note: transfers sized to the batch]). If no plan fits, the partition that just ran is kept.
 
 [Note: saved inputs]
 The layer inputs a forward stage keeps for the backward's recomputation stay on the device when the task that reads
@@ -151,7 +151,15 @@ class MeasuredPlan:
         for which the whole model fits the fused stage, activation bytes scaled with the micro-batch size (if none
         does, the measured count); on several devices the measured count. Then that count and the smaller ones
         are weighed with their transfers and the fastest predicted pass is kept
-        ([Note: micro-batches chosen for transfers])."""
+        ([Note: micro-batches chosen for transfers]).
+
+        [Note: more micro-batches when the measured ones do not fit]
+        The first pass runs a count chosen before anything was measured (2 per device), and the optimizer state
+        placed on the device may leave too little for it once planned: Qwen3-30B-A3B's LoRA on the experts under a
+        24 GiB cap (12 GiB of optimizer state on the card) measured 2 micro-batches of 4 rows whose layer needed
+        9.9 GiB against 9.6 GiB left, and kept running the unplanned first partition. When no count up to the
+        measured one fits, the larger counts (smaller micro-batches, less activation memory; with one round the
+        same uploads) are planned and the fastest predicted one that fits is kept."""
         config = self.config
         num_devices = len(self.devices)
 
@@ -175,4 +183,14 @@ class MeasuredPlan:
                         break
                 except ValueError:
                     continue
-        return choose(fewer_microbatches(count, rows, MICROBATCH_CHOICES))
+        try:
+            return choose(fewer_microbatches(count, rows, MICROBATCH_CHOICES))
+        except ValueError:
+            more = sorted(c for c in {*MICROBATCH_CHOICES, rows} if count < c <= rows)
+            if not more:
+                raise
+            # [Note: more micro-batches when the measured ones do not fit]
+            plan = choose(more)
+            logger.info("RoundPipe: the measured %d micro-batches do not fit the memory the optimizer state "
+                        "leaves; %d do.", count, plan.num_microbatches)
+            return plan
