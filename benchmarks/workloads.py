@@ -131,6 +131,7 @@ WORKLOADS = {
     "llama3.1-8b-lora-s4096-b8-cap24": Workload("llama3.1-8b", (4096,), 8, lora=True, cap_gib=24.0),
     # the paper's big models on a 24 GiB card: two mixtures of experts and a dense 32B, LoRA
     "qwen3-30b-a3b-lora-s4096-b8-cap24": Workload("qwen3-30b-a3b", (4096,), 8, lora=True, cap_gib=24.0),
+    "qwen3-30b-a3b-lora-s4096-b32-cap24": Workload("qwen3-30b-a3b", (4096,), 32, lora=True, cap_gib=24.0),
     "gpt-oss-20b-lora-s4096-b8-cap24": Workload("gpt-oss-20b", (4096,), 8, lora=True, cap_gib=24.0),
     "qwen3-32b-lora-s4096-b8-cap24": Workload("qwen3-32b", (4096,), 8, lora=True, cap_gib=24.0),
     # the longest sequence that trains at batch 1 on a 24 GiB card

@@ -23,6 +23,8 @@ GROUPS = {  # group: (our workload, the anchors' --model)
     "dense-32b-cap24": ("qwen3-32b-lora-s4096-b8-cap24", "qwen3-32b"),
 }
 
+STEPS = {"moe-cap24": (2, 4), "gpt-oss-cap24": (1, 2), "dense-32b-cap24": (1, 2)}  # warm-up and timed steps
+
 
 def bench(tmp_path: Path, *names: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
     """Runs bench.sh NAMES in a copy of the tree; (the process, each python3 call's arguments, bench.log)."""
@@ -54,11 +56,12 @@ def test_group_runs_ours_then_the_reference(tmp_path, group):
     ours, reference = calls[0], calls[1]
     assert ours.startswith("benchmarks/run.py ") and reference.startswith(".anchors/rp.py ")
     args = run.parse_args(ours.split()[1:])  # our command line is one run.py takes
+    warm, iters = STEPS[group]
     assert (args.workload, args.system, args.nms, args.warm, args.iters) == (
-        workload, "roundpipe-engine", "auto", 1, 2)
+        workload, "roundpipe-engine", "auto", warm, iters)
     assert args.roundpipe == {}  # the engine at its defaults (the exact step)
     assert reference.split()[1:] == ["--model", model, "--lora", "--cap", "24", "--seqs", "4096", "--gb", "8",
-                                     "--nms", "4", "--warm", "1", "--iters", "2", "--section",
+                                     "--nms", "4", "--warm", str(warm), "--iters", str(iters), "--section",
                                      f"{group}-reference"]
     # each in its own process under 240 s: the pair fits one call
     limits = [int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3 (?:benchmarks/run.py|\.anchors/rp.py)", log,

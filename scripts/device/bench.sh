@@ -6,7 +6,8 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts,
+# moe-cap24, moe-cap24-b32, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24. `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -22,7 +23,7 @@ WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long l
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup"
 WORKLOADS+=" moe-experts"
-WORKLOADS+=" moe-cap24 gpt-oss-cap24 dense-32b-cap24"
+WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -212,7 +213,13 @@ run_ours() {
       --roundpipe optimizer_placement=auto ;;
   moe-cap24)  # Qwen3-30B-A3B LoRA r16 on q,k,v,o,gate,up,down (PEFT puts gate/up/down on the fused experts) on a
     # 24 GiB card, built with the cap lifted and kept on the host; the engine at its defaults (the exact step)
-    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+    # with a timeline trace of its steps (gzipped at the end of the call)
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --trace-dir "$OUT/traces" ;;
+  moe-cap24-b32)  # the same at b32 (issue 32's second MoE target: >= 0.4 of the limit)
+    ours 240 qwen3-30b-a3b-lora-s4096-b32-cap24 roundpipe-engine --warm 1 --iters 3 ;;
+  moe-cap24-host)  # the same at b8 with every bucket's optimizer state on the host (auto puts 12 GiB on the card)
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 \
+      --roundpipe optimizer_placement=host ;;
   gpt-oss-cap24)  # GPT-OSS-20B (bf16) LoRA on the experts' parameters and the attention, the same way
     ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
   dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
@@ -253,7 +260,7 @@ run_anchors() {
       --section long-liger
     reference 150 --model qwen3-1.7b --seqs 65536,131072 --gb 1 --nms 1 --iters 2 --cap 24 --section long-reference ;;
   moe-cap24)  # the reference RoundPipe on the same model and steps, in its own process (it builds with the cap lifted)
-    reference 240 --model qwen3-30b-a3b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 1 --iters 2 \
+    reference 240 --model qwen3-30b-a3b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 2 --iters 4 \
       --section moe-cap24-reference ;;
   gpt-oss-cap24)
     reference 240 --model gpt-oss-20b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 1 --iters 2 \
@@ -270,6 +277,7 @@ for name in "${names[@]}"; do
   run_ours "$name"
   [ $anchors = 1 ] && run_anchors "$name"
 done
+[ -d "$OUT/traces" ] && gzip -f "$OUT"/traces/*.json
 ls -la "$OUT"
 python3 benchmarks/call_summary.py "$OUT/ours.jsonl" "$OUT/results.jsonl" "$OUT"/convergence_*.jsonl 2>&1 \
   | tee -a "$LOG"
