@@ -108,6 +108,14 @@ class HostMemory:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
+    def lock(self, buffer: torch.Tensor) -> None:
+        """Page-lock `buffer` (a contiguous CPU tensor of this process, allocated unlocked) in place, when pinned;
+        it is then held and unlocked as the buffers of `empty` are. Locking the same buffer twice is refused by
+        CUDA: callers lock each once."""
+        if self.pinned and buffer.numel():
+            self._locked.locks.lock(buffer)
+            self._locked.add(buffer)
+
     @property
     def locked_bytes(self) -> int:
         return self._locked.nbytes

@@ -89,8 +89,10 @@ class HostStore:
         # Trainable buckets are padded to a multiple of this: equal per-rank ranges ([Note: data parallel]).
         self.pad_multiple = pad_multiple
         self.pin_memory = pin_memory
-        # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]).
+        # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]); locked once
+        # the placement has kept them on the host ([Note: optimizer copies locked after the placement]).
         self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
+        self._locked_optim: set[int] = set()  # bucket indices whose optimizer copy is page-locked
         self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
         self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
@@ -155,9 +157,8 @@ class HostStore:
         optim = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
-            # Uploaded by exact steps ([Note: exact step without write-back]), else read by the CPU only.
-            optim = (self.memory.zeros(compute.numel(), odtype) if self.pin_optimizer_copies
-                     else torch.zeros(compute.numel(), dtype=odtype))
+            # Uploaded by exact steps, once the placement has kept the bucket on the host (`lock_optimizer_copy`).
+            optim = torch.zeros(compute.numel(), dtype=odtype)
         # No gradient buffer yet: the first download's becomes it ([Note: no spare gradient buffer]).
         bucket = Bucket(index, tuple(layer_ids), trainable, compute, optim, None, slots, grad_pool=self.grad_pool)
         with torch.no_grad():
@@ -174,6 +175,20 @@ class HostStore:
         if optim is not None:
             bucket.versions.loaded_into_both()
         return bucket
+
+    def lock_optimizer_copy(self, bucket: Bucket) -> None:
+        """Page-lock `bucket`'s optimizer copy, which stays in host memory and which exact steps upload
+        ([Note: optimizer copies locked after the placement]); once per bucket, only when they are pinned.
+
+        [Note: optimizer copies locked after the placement]
+        The optimizer copies are made in ordinary memory and locked only when the optimizer's placement keeps
+        them on the host. Locked at the build, the copies of buckets the placement then moves to their device were
+        locked for nothing and unlocked again (after a device synchronize): on the 168M convergence preset, whose
+        buckets all go to the GPU, 672 MB of float32 copies, most of the 0.56 s of `cudaHostRegister` at the
+        engine's start (docs/benchmarks.md, evaluation and start-up)."""
+        if self.pin_optimizer_copies and bucket.optim is not None and bucket.index not in self._locked_optim:
+            self.memory.lock(bucket.optim)
+            self._locked_optim.add(bucket.index)
 
     def window(self, layers: range, bucket_index: int) -> tuple[int, int]:
         """The elements [start, stop) of bucket `bucket_index` that the layers `layers` read: the whole bucket unless

@@ -173,7 +173,9 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
     placement = plan_placement(setting, store.trainable_buckets, homes, budget, state_copies(optimizer), host_reason)
     tiers: dict[str, DeviceTier] = {}  # one per home device ([Note: state tiers])
     for place in placement.places:
-        if place.home is not None:
+        if place.home is None:  # its optimizer copy stays on the host, uploaded by exact steps
+            store.lock_optimizer_copy(store.buckets[place.bucket])
+        else:
             bucket = store.buckets[place.bucket]
             old_optim, old_grad = bucket.optim, bucket.grad
             move_home(bucket, tiers.setdefault(place.home, DeviceTier(torch.device(place.home))))
