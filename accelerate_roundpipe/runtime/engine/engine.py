@@ -319,6 +319,8 @@ class RoundPipe(HostResidentModule):
                 if self._finalizer is not None:
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
+                if self._placement is not None:
+                    self._placement.close()  # the disk tier's swap files ([Note: disk tier])
                 self._exchange.close(clean=self._failure.error is None)
                 self._store.memory.release()
                 if self.trace is not None:
@@ -360,6 +362,12 @@ class RoundPipe(HostResidentModule):
         compute copies from them: unlike `load_state_dict`, nothing is rounded through the compute dtype."""
         self.synchronize()
         engine_checkpoint.load_optimizer_copies(tensors, self.named_parameters(), self._store, self.optimizer)
+
+    def optimizer_copies(self) -> dict[str, torch.Tensor]:
+        """The full-precision weights of the trainable parameters (named as in `named_parameters()`), as new host
+        tensors, after `synchronize()`: what a checkpoint saves of the optimizer copies, wherever they live."""
+        self.synchronize()
+        return engine_checkpoint.optimizer_copies(self.named_parameters(), self._store)
 
     def lagged_weights(self) -> dict[str, torch.Tensor]:
         """With the lagged step, after a look: the compute copies the next training pass computes with (one step

@@ -81,7 +81,11 @@ class MeasuredPlan:
         ([Note: optimizer placement])."""
         config = self.config
         placement = place_optimizer_state(config.resolved_optimizer_placement, config.optimizer_device_budget,
-                                          self.devices, self.store, optimizer, data_parallel, self.budget_bytes)
+                                          self.devices, self.store, optimizer, data_parallel, self.budget_bytes,
+                                          host_budget_gib=config.host_memory_budget,
+                                          offload_dir=config.resolved_offload_dir,
+                                          lagged=config.resolved_async_optimizer,
+                                          timeout_s=config.resolved_wait_timeout_s)
         if self.budget_bytes is not None and placement.device_buckets:
             self.budget_bytes -= placement.most_on_one_device()
             if not self.enabled:
