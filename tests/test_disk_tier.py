@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_optimizer_placement import LR, TOL, WEIGHT_DECAY, _assert_same_run
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
@@ -30,7 +31,6 @@ from accelerate_roundpipe.runtime.disk import OffloadSettingError, folder_checks
 from accelerate_roundpipe.runtime.disk.swap_folder import PREFIX
 from accelerate_roundpipe.runtime.state.disk_tier import DiskTier, host_state_bytes, layout_of
 
-from test_optimizer_placement import LR, TOL, WEIGHT_DECAY, _assert_same_run
 from toy_models import Block, Embed, Head, Merge, Split, run_layers
 
 GiB = 2**30
@@ -240,10 +240,13 @@ def test_frozen_parameters_a_scheduler_and_other_state_on_disk(tmp_path, optimiz
     try:
         placement = engine.optimizer_placement
         assert placement.disk_buckets and bool(placement.host_buckets) == mixed
+
+        def scaled_loss(out, target):
+            return nn.functional.cross_entropy(out, target) / ACCUMULATION
+
         for step, passes in enumerate(batches):
             for x, mask, y in passes:
-                engine.forward_backward(x, mask, labels=y, loss_fn=lambda out, t: nn.functional.cross_entropy(
-                    out, t) / len(passes))
+                engine.forward_backward(x, mask, labels=y, loss_fn=scaled_loss)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

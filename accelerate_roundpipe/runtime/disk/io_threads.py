@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import ContextManager
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,7 +22,7 @@ from .errors import SwapIOError, SwapTimeoutError
 
 CHUNK_BYTES = 16 * 2**20
 Hook = Callable[[str, str, int, int], None]
-Span = Callable[[str, str, int, int], ContextManager]
+Span = Callable[[str, str, int, int], contextlib.AbstractContextManager]
 
 
 class Transfer:
