@@ -344,10 +344,13 @@ CHILD = textwrap.dedent("""
     step(0)
     torch.save({{"model": engine.state_dict(), "optimizer": optimizer.state_dict()}}, {checkpoint!r} + ".tmp")
     os.replace({checkpoint!r} + ".tmp", {checkpoint!r})
-    def stall(point):
+    seen = []
+    def stall(point):  # the second bucket of the step: the first one stepped, its write-back in flight
         if point == "optimizer.step":
-            print("in a step", flush=True)
-            time.sleep(600)
+            seen.append(point)
+            if len(seen) == 2:
+                print("in a step", flush=True)
+                time.sleep(600)
     with faults.injected(stall):
         step(1)
         engine.synchronize()
