@@ -41,8 +41,8 @@ whose copy is back on disk (a compute-sized buffer held per bucket until the nex
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +52,6 @@ import torch
 
 from ..disk import BucketLayout, DiskBandwidth, DiskStaging, TensorSpec, open_swap, probe_bandwidth
 from .tiers import Bucket, StateTier
-
-logger = logging.getLogger(__name__)
 
 OPTIM = "optim"  # the optimizer copy's name in a bucket's layout
 SLOTS = 3  # staging slots: one stepped, one written back, one read ahead
@@ -165,17 +163,16 @@ class DiskTier(StateTier):
         return tier
 
     def io_span(self, kind: str, path: str, start: int, nbytes: int):
-        """The trace's span of one chunk's read or write, on its own track (an I/O thread)."""
+        """The trace's span of one chunk's read or write, on the disk track of the I/O thread moving it ("disk io0",
+        ...: each thread's chunks follow one another, so no two spans of a track overlap)."""
         trace = self._trace
         if trace is None:
             return contextlib.nullcontext()
-        return trace.span("disk", f"{kind} {os.path.basename(path)} [{start}, {start + nbytes})")
+        thread = threading.current_thread().name.rsplit("_", 1)[-1]
+        return trace.span(f"disk io{thread}", f"{kind} {os.path.basename(path)} [{start}, {start + nbytes})")
 
     def stand_in_of(self, bucket: Bucket) -> torch.Tensor:
         return stand_in(bucket.optim.numel(), bucket.optim.dtype)
-
-    def file_bytes(self) -> int:
-        return self.staging.files.nbytes
 
     # ------------------------------------------------------------------ the step ([Note: state tiers])
 
@@ -186,8 +183,9 @@ class DiskTier(StateTier):
         self.staging.schedule([b.index for b in buckets])
 
     def before_step(self, bucket: Bucket) -> None:
-        trace = self._trace
-        with trace.span("disk", f"wait for bucket{bucket.index}") if trace is not None else contextlib.nullcontext():
+        trace = self._trace  # the optimizer thread's wait for the read, on its own track
+        with trace.span(self.track, f"wait for the read of bucket{bucket.index}") if trace is not None \
+                else contextlib.nullcontext():
             views = self.staging.acquire(bucket.index)
         self._held[bucket.index] = views
         self._bind(bucket, views, self._state_of())

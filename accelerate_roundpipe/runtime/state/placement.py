@@ -153,18 +153,20 @@ class OptimizerPlacement:
                    default=0)
 
     def summary(self) -> str:
-        """One line for the start summary."""
+        """One line for the start summary (the disk tier's buckets, stepped by the host, count as the host's here;
+        `tiers_line` tells them apart)."""
         on_device = self.device_buckets
         total = len(self.places)
+        on_disk = f", {len(self.disk_buckets)} of them with their state on disk" if self.disk_buckets else ""
         if not on_device:
             why = self.places[0].reason if self.places else "no trainable parameters"
-            return f"{self.setting}: all {total} trainable buckets on the host ({why})"
+            return f"{self.setting}: all {total} trainable buckets on the host ({why}){on_disk}"
         homes = sorted({p.home for p in self.places if p.home is not None})
         numel = sum(p.numel for p in self.places if p.home is not None)
         budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / 2**30:.1f} GiB per device"
         return (f"{self.setting}: {len(on_device)} of {total} trainable buckets ({numel / 1e6:.1f} M params, "
                 f"{self.device_bytes() / 2**30:.2f} GiB) on {', '.join(homes)}, stepped there; "
-                f"{total - len(on_device)} on the host (budget {budget})")
+                f"{total - len(on_device)} on the host (budget {budget}){on_disk}")
 
     def __str__(self) -> str:
         return "\n".join([f"optimizer placement ({self.summary()})", *(f"  {p}" for p in self.places)])
