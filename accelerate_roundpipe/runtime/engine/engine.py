@@ -319,12 +319,12 @@ class RoundPipe(HostResidentModule):
                 if self._finalizer is not None:
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
-                if self._placement is not None:
-                    self._placement.close()  # the disk tier's swap files ([Note: disk tier])
                 self._exchange.close(clean=self._failure.error is None)
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()
+                if self._placement is not None:  # last: a disk failure not raised yet is raised here
+                    self._placement.close()  # the disk tier's swap files ([Note: disk tier])
 
     @property
     def closed(self) -> bool:  # `close()` ran (or the engine was abandoned): it cannot be used any more
