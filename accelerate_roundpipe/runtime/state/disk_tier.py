@@ -179,6 +179,11 @@ class DiskTier(StateTier):
     def attach(self, state_of: Callable[[], dict], trace: Any) -> None:
         self._state_of, self._trace = state_of, trace
 
+    def on_look(self, bucket: Bucket) -> None:
+        """`synchronize()`: the compute copy shows the step already; the write-backs still in flight finish, so
+        that after it nothing of the step is left running (and the files hold the newest state)."""
+        self.staging.flush()
+
     def will_step(self, buckets: list[Bucket]) -> None:
         self.staging.schedule([b.index for b in buckets])
 
