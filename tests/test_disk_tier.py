@@ -4,7 +4,7 @@ for every mix of tiers (host and disk, device and host and disk, all on disk) wi
 scheduler, frozen and tied parameters; resume across tiers bit for bit; the state out of memory between steps; the
 files removed at close(); the settings refused before training; the start summary and the trace.
 
-The lagged step is refused with a disk tier (tested here); see [Note: disk tier].
+The lagged step lags a disk bucket as a host bucket ([Note: disk tier]).
 """
 
 from __future__ import annotations
@@ -67,17 +67,32 @@ def _batches(steps: int = STEPS) -> list[list[tuple]]:
     return [[_batch(10 * step + j) for j in range(ACCUMULATION)] for step in range(steps)]
 
 
-def plain_training(batches, max_norm: float | None = MAX_NORM):
-    """Plain PyTorch AdamW on `wide_model()`: each step's passes accumulated, clipped to `max_norm`."""
+def plain_training(batches, max_norm: float | None = MAX_NORM, lagged: bool = False,
+                   fresh: frozenset[str] = frozenset()):
+    """Plain PyTorch AdamW on `wide_model()`: each step's passes accumulated, clipped to `max_norm`. Lagged: every
+    pass of the iteration after step k-1 computes with the weights from before that step, except the parameters in
+    `fresh` (device buckets step exactly: [Note: device steps are exact]), as test_optimizer_placement's reference."""
     model = wide_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    previous = {name: p.detach().clone() for name, p in model.named_parameters()}
     norms, weights = [], []
     for passes in batches:
+        current = {name: p.detach().clone() for name, p in model.named_parameters()}
+        grads: dict[str, torch.Tensor] = {}
         for x, mask, y in passes:
-            nn.functional.cross_entropy(run_layers(model, (x, mask)), y).backward()
+            probe = wide_model()
+            with torch.no_grad():
+                for name, p in probe.named_parameters():
+                    p.copy_(previous[name] if lagged and name not in fresh else current[name])
+            nn.functional.cross_entropy(run_layers(probe, (x, mask)), y).backward()
+            for name, p in probe.named_parameters():
+                grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         optimizer.step()
         optimizer.zero_grad()
+        previous = current
         weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
     return norms, weights
 
@@ -396,11 +411,79 @@ def test_a_run_killed_during_a_step_leaves_its_checkpoint_and_the_next_start_cle
         engine.close()
 
 
-def test_the_lagged_step_is_refused_with_a_disk_tier(tmp_path):
-    engine = RoundPipe(wide_model(), _config(tmp_path, 1e-9, async_optimizer=True))
+def _device_names(engine) -> frozenset[str]:
+    store = engine.host_store
+    return frozenset(slot.name for i in engine.optimizer_placement.device_buckets for slot in store.buckets[i].slots)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_lagged_steps_lag_the_disks_buckets_as_the_hosts(tmp_path, mix):
+    """async_optimizer=True: a disk bucket lags one step as a host bucket does (its stepped weights held apart
+    until the next step), a device bucket steps exactly; clipped, accumulated: plain torch's staleness-1 run."""
+    config, expected = _mix(tmp_path, mix, async_optimizer=True)
+    batches = _batches()
+    engine, optimizer = _build(config)
     try:
-        with pytest.raises(OffloadSettingError, match=r"host_memory_budget=1e-09 GiB.*async_optimizer=True"):
-            engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR))
+        placement = engine.optimizer_placement
+        assert placement.disk_buckets == (expected or sorted(b.index for b in engine.host_store.trainable_buckets))
+        fresh = _device_names(engine)
+        assert bool(fresh) == (mix == "device+host+disk")
+        ref_norms, ref_weights = plain_training(batches, lagged=True, fresh=fresh)
+        norms, _, weights = _train(engine, optimizer, batches)
+        _assert_same_run(norms, weights, ref_norms, ref_weights)
+    finally:
+        engine.close()
+    exact = plain_training(batches)[1][-1]
+    assert not torch.allclose(ref_weights[-1]["6.linear.weight"], exact["6.linear.weight"], rtol=1e-6)  # it lags
+
+
+def _looking_run(tmp_path, look: bool):
+    config, _ = _mix(tmp_path, "host+disk", async_optimizer=True)
+    engine, optimizer = _build(config)
+    looked = None
+    try:
+        losses = []
+        for step, passes in enumerate(_batches()):
+            losses += _train(engine, optimizer, [passes], look_every_step=False)[1]
+            if look and step == 1:
+                x, mask, _ = _batch(100)
+                with torch.no_grad():
+                    first, second = engine(x, mask), engine(x, mask)
+                looked = (first, second, copy.deepcopy(engine.state_dict()))
+        engine.synchronize()
+        return losses, {n: p.detach().clone() for n, p in engine.module.named_parameters()}, looked
+    finally:
+        engine.close()
+
+
+def test_looking_during_lagged_steps_on_disk_changes_nothing(tmp_path):
+    """An evaluation and a state dict between lagged steps show the newest weights (the disk's held ones too) and
+    leave the run bit for bit as one that does not look."""
+    losses, final, _ = _looking_run(tmp_path / "a", look=False)
+    looked_losses, looked_final, (first, second, state) = _looking_run(tmp_path / "b", look=True)
+    assert looked_losses == losses
+    for name, tensor in final.items():
+        assert torch.equal(looked_final[name], tensor), name
+    newest = plain_training(_batches(), lagged=True)[1][1]
+    for name, tensor in newest.items():
+        torch.testing.assert_close(state[name], tensor, **TOL, msg=name)
+    assert torch.equal(first, second)
+
+
+def test_data_parallelism_with_a_disk_tier_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate_roundpipe.runtime.state.placement import place_optimizer_state, place_past_host_budget
+
+    engine = RoundPipe(wide_model(), _config(tmp_path, None))
+    try:
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=LR)
+        cpu = SimpleNamespace(device=torch.device("cpu"), is_cuda=False)
+        with pytest.raises(OffloadSettingError, match=r"host_memory_budget=1e-09 GiB.*the store needs 0.00\d+ GiB.*"
+                                                      r"not supported under data parallelism"):
+            placement = place_optimizer_state("auto", None, [cpu], engine.host_store, optimizer, True, None)
+            place_past_host_budget(placement, engine.host_store, optimizer, True, 1e-9, str(tmp_path / "offload"),
+                                   60.0)
         assert _swap_folders(tmp_path) == []
     finally:
         engine.close()

@@ -194,8 +194,16 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             for bucket, _ in begun:
                 if bucket.grad_valid:
                     self.layout.finish_step(bucket)
-                # readers read the optimizer copy only where it stays in memory ([Note: state tiers])
-                bucket.versions.step_written(current_for_readers and bucket.tier.optim_resident)
+                # readers read the optimizer copy only where it stays in memory ([Note: state tiers]); where it
+                # does not, an exact step is written into the compute copy now, in its write turn, and a lagged
+                # one kept apart for its held write-back
+                resident = bucket.tier.optim_resident
+                bucket.versions.step_written(current_for_readers and resident)
+                if not resident:
+                    if current_for_readers:
+                        bucket.versions.write_back()
+                    else:
+                        bucket.versions.hold_newest()
                 bucket.tier.after_step(bucket)
         finally:
             for bucket, ticket in begun:

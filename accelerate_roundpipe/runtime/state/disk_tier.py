@@ -19,8 +19,10 @@ One step, in the order of the protocol of `DiskStaging` ([Note: disk staging pro
    bucket's optimizer copy (`Bucket.point_optim`) and the optimizer's state entries of its parameters are pointed at
    the slot's views. The exact step's job takes this tier's buckets in that same order (`ordered_steps`).
 3. The optimizer steps the slot in place (a first step makes the state in memory of the optimizer's own).
-4. `after_step`: the state entries are taken out of the optimizer's state (a first step's copied into the slot),
-   the stepped copy is written into the compute copy (`write_back`, in the write turn: the next upload reads it),
+4. The optimizer writes the stepped copy into the compute copy (`write_back`, in the write turn: the next upload
+   reads it) after an exact step; after a lagged one it keeps it apart, cast to the compute dtype
+   (`hold_newest`), for the write-back held until the next `step()` as a host bucket's is ([Note: one-step lag]).
+5. `after_step`: the state entries are taken out of the optimizer's state (a first step's copied into the slot),
    the bucket points at a stand-in again (zero-stride, no memory; a write into it raises), and `release(dirty)`
    writes the slot back to the file, after which the slot takes the next read.
 Between steps the optimizer's state of a disk bucket's parameter holds only what is not the parameter's size
@@ -34,8 +36,9 @@ the files: nothing is read into memory until the checkpoint writer reads it) int
 optimizer copies. So a checkpoint resumes under any mix of tiers. The swap files are never a checkpoint: they are
 removed at `close()`, and a killed run's at the next start ([Note: swap folder ownership]).
 
-The lagged step is refused with a disk tier for now: its held write-back would need the stepped copy of a bucket
-whose copy is back on disk (a compute-sized buffer held per bucket until the next step).
+With the lagged step (`async_optimizer`) a disk bucket lags as a host bucket does: its jobs take the buckets in
+backward order, the order announced; between its step and the held write-back it holds one compute-sized buffer
+(2 bytes a parameter in bfloat16), which the budget does not count.
 """
 
 from __future__ import annotations
@@ -196,9 +199,9 @@ class DiskTier(StateTier):
         self._bind(bucket, views, self._state_of())
 
     def after_step(self, bucket: Bucket) -> None:
+        # the optimizer wrote the step into the compute copy (exact) or kept it apart (lagged) already
         views = self._held.pop(bucket.index)
         self._take_entries(bucket, views, self._state_of())
-        bucket.versions.write_back()  # in the write turn: the next upload reads the compute copy
         bucket.point_optim(self.stand_in_of(bucket))
         self.staging.release(bucket.index, dirty=True)
 

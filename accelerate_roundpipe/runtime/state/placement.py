@@ -29,6 +29,7 @@ The step stays exact by default: device buckets take the same tickets and events
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -216,13 +217,10 @@ def move_home(bucket: Bucket, tier: DeviceTier) -> None:
 
 def place_optimizer_state(setting: str, budget_gib: float | None, devices: list, store,
                           optimizer: torch.optim.Optimizer, data_parallel: bool,
-                          memory_budget_bytes: float | None, host_budget_gib: float | None = None,
-                          offload_dir: str | None = None, lagged: bool = False,
-                          timeout_s: float = 600.0) -> OptimizerPlacement:
+                          memory_budget_bytes: float | None) -> OptimizerPlacement:
     """Decide the placement for `optimizer` (wrapped now) on the workers' `devices` (`Device`s) and move the device
-    buckets home ([Note: optimizer placement]), then the buckets past the host budget to disk ([Note: disk tier]).
-    `budget_gib`: `optimizer_device_budget`; `memory_budget_bytes`: the GPU memory the engine plans with (None for
-    CPU workers); `host_budget_gib`: `host_memory_budget` (None: the default); `offload_dir`: where swap files go."""
+    buckets home ([Note: optimizer placement]). `budget_gib`: `optimizer_device_budget`; `memory_budget_bytes`: the
+    GPU memory the engine plans with (None for CPU workers). The disk's part is `place_past_host_budget`'s."""
     homes = list({str(d.device): d.device for d in devices}.values())
     host_reason = None
     if setting == "host":
@@ -239,8 +237,7 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
         budget = budget_gib * 2**30
     else:
         budget = None if memory_budget_bytes is None else DEVICE_SHARE * memory_budget_bytes
-    copies = state_copies(optimizer)
-    placement = plan_placement(setting, store.trainable_buckets, homes, budget, copies, host_reason)
+    placement = plan_placement(setting, store.trainable_buckets, homes, budget, state_copies(optimizer), host_reason)
     tiers: dict[str, DeviceTier] = {}  # one per home device ([Note: state tiers])
     for place in placement.places:
         if place.home is not None:
@@ -250,6 +247,15 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
             store.memory.give_back(old_optim)
             if old_grad is not None:  # gradients held before the placement ([Note: no spare gradient buffer])
                 store.grad_pool.give(old_grad)
+    return dataclasses.replace(placement, tiers=tuple(tiers.values()))
+
+
+def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torch.optim.Optimizer,
+                           data_parallel: bool, host_budget_gib: float | None, offload_dir: str,
+                           timeout_s: float) -> OptimizerPlacement:
+    """After `place_optimizer_state`: the buckets the host keeps past `host_budget_gib` (`host_memory_budget`;
+    None: the default) moved to the disk tier, their swap files under `offload_dir` ([Note: disk tier])."""
+    copies = state_copies(optimizer)
     on_host = [store.buckets[p.bucket] for p in placement.places if p.home is None]
     names = state_names(optimizer)
     fixed = sum(b.compute.numel() * b.compute.element_size() for b in store.buckets)
@@ -260,13 +266,12 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
     plan = plan_disk(on_host, fixed, budget_bytes,
                      names if names is not None else tuple(f"state{i}" for i in range(copies)))
     host_bytes = sum(host_state_bytes(b, copies) for b in on_host if b.index not in plan.buckets)
-    common = dict(host_budget_bytes=budget_bytes, host_state_bytes=host_bytes)
+    placement = dataclasses.replace(placement, host_budget_bytes=budget_bytes, host_state_bytes=host_bytes)
     if not plan.buckets:
-        if offload_dir is not None and os.path.isdir(offload_dir):
+        if os.path.isdir(offload_dir):
             remove_swap_leftovers(os.path.abspath(offload_dir))  # a killed run's, even when no bucket goes there
-        return OptimizerPlacement(placement.setting, placement.budget_bytes, placement.places,
-                                  tiers=tuple(tiers.values()), **common)
-    _refuse_disk(plan, names, optimizer, data_parallel, lagged, host_budget_gib)
+        return placement
+    _refuse_disk(plan, names, optimizer, data_parallel, host_budget_gib)
     if not plan.fits:
         logger.warning("RoundPipe: host_memory_budget is %.2f GiB, and the store needs %.2f GiB of host memory even "
                        "with the optimizer state of every trainable bucket on disk (compute copies and gradients "
@@ -277,13 +282,12 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
         old_optim = bucket.optim
         bucket.rehome(disk, disk.stand_in_of(bucket), bucket.grad, bucket.pending)
         store.memory.give_back(old_optim)
-    return OptimizerPlacement(placement.setting, placement.budget_bytes, placement.places,
-                              disk=DiskPlacement(plan, disk.folder, disk.bandwidth),
-                              tiers=(*tiers.values(), disk), **common)
+    return dataclasses.replace(placement, disk=DiskPlacement(plan, disk.folder, disk.bandwidth),
+                               tiers=(*placement.tiers, disk))
 
 
 def _refuse_disk(plan: DiskPlan, names: tuple[str, ...] | None, optimizer: torch.optim.Optimizer,
-                 data_parallel: bool, lagged: bool, budget_gib: float) -> None:
+                 data_parallel: bool, budget_gib: float) -> None:
     """What the disk tier cannot do yet, refused before anything is written, naming the settings and the numbers."""
     need = (f"host_memory_budget={budget_gib:.3g} GiB (env ROUNDPIPE_HOST_MEMORY_BUDGET): the store needs "
             f"{plan.host_bytes_before / GiB:.3f} GiB of host memory, so {len(plan.buckets)} trainable bucket(s) "
@@ -292,9 +296,6 @@ def _refuse_disk(plan: DiskPlan, names: tuple[str, ...] | None, optimizer: torch
     if data_parallel:
         raise OffloadSettingError(f"{need}, which is not supported under data parallelism yet (gradients and state "
                                   f"are sharded on the host). {fix[0].upper() + fix[1:]}, or train on one process.")
-    if lagged:
-        raise OffloadSettingError(f"{need}, whose step is exact only: async_optimizer=True is refused with a disk "
-                                  f"tier. Set async_optimizer=False, or {fix}.")
     if names is None:
         raise OffloadSettingError(f"{need}, which keeps the state of torch's Adam, AdamW and SGD only, not of "
                                   f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those, "

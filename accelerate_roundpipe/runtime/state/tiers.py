@@ -28,7 +28,8 @@ state in swap files under `offload_dir`, read into the bounded staging of `runti
 - `optim_resident`: False for the disk, whose optimizer copy is in a slot only during its step: readers must read
   the compute copy, so an exact step of a disk bucket is not `current_for_readers` and is written back in
   `after_step`, and a lagged one is held as a host bucket's is.
-That is how `runtime/state/disk_tier.py` uses them ([Note: disk tier]; the lagged step is refused with it for now).
+That is how `runtime/state/disk_tier.py` uses them ([Note: disk tier]); the optimizer writes an exact step of a disk
+bucket into its compute copy before `after_step` and keeps a lagged one apart (`hold_newest`) for its held write-back.
 What only a tier that keeps nothing in memory needs has hooks of its own, no-ops here: `ordered_steps` (the exact
 step's job takes its buckets in the announced order), `attach` (the optimizer's state and trace), `take_state` and
 `showing_state` (a loaded state taken out of memory, a state dict made whole), `resident` and `optim_values` (a

@@ -19,7 +19,10 @@ holds the bucket's write turn (the optimizer thread), or by the caller while not
 - `show_current`: a look at a bucket stepped on its device ([Note: optimizer placement]): the current version in
   `optim` is copied into `compute` for whoever looks, and readers go on reading `optim` (on the device, where
   the next task needs it).
-- `moved_optim`: the optimizer copy moved to the bucket's home device (same contents).
+- `moved_optim`: the optimizer copy moved to the bucket's home device (same contents), or into and out of a disk
+  tier's staging slot ([Note: disk tier]).
+- `hold_newest`: a lagged step of a bucket whose optimizer copy leaves memory after its step (the disk tier):
+  the newest weights kept apart, cast to the compute dtype, for the held write-back and a look to copy from.
 - `loaded_from_optim` / `loaded_from_compute` / `loaded_into_both`: weights loaded from outside into one copy are
   copied into the other (or were written into both).
 What readers ask: `current(newest)` (the buffer a pass reads: its own version, or the newest for an evaluation
@@ -73,6 +76,7 @@ class WeightVersions:
         self._steps = StepCount()
         self._optim_version_seen = optim._version if optim is not None else 0  # after the engine's own last write
         self._stash: torch.Tensor | None = None
+        self._newest: torch.Tensor | None = None  # `hold_newest`'s copy, until the write-back
         self._new_versions_reserved = 0
 
     # ------------------------------------------------------------------ what readers ask
@@ -119,14 +123,18 @@ class WeightVersions:
             self._steps.current_in_optim = True
 
     def write_back(self) -> None:
-        self._copy_optim_into_compute()
+        self._copy_newest_into_compute()
+        self._newest = None
         self._steps.current_in_optim = False
         self._stash = None  # the pass that read it has read it ([Note: looking changes nothing])
 
     def show_newest(self) -> None:
         if self._stash is None:  # else this step is shown already
             self._stash = self._compute.clone()
-            self._copy_optim_into_compute()
+            self._copy_newest_into_compute()
+
+    def hold_newest(self) -> None:
+        self._newest = self._optim.to(self._compute.dtype, copy=True)
 
     def show_current(self) -> None:
         if self._steps.compute != self._steps.optim:
@@ -156,6 +164,15 @@ class WeightVersions:
         with torch.no_grad():
             copy_with_cast(self._optim, self._compute)
         self._optim_version_seen = self._optim._version
+        self._steps.compute = self._steps.optim
+
+    def _copy_newest_into_compute(self) -> None:
+        """The newest weights into the compute copy: from the optimizer copy, or what `hold_newest` kept."""
+        if self._newest is None:
+            self._copy_optim_into_compute()
+            return
+        with torch.no_grad():
+            self._compute.copy_(self._newest)
         self._steps.compute = self._steps.optim
 
     def _copy_optim_into_compute(self) -> None:
