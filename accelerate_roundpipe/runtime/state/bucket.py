@@ -101,18 +101,19 @@ class Bucket:
         copy."""
         self.tier = tier
         self.grad, self.pending = grad, pending
-        self.point_optim(optim)
+        self.point_optim(optim, resident=tier.optim_resident)
         if self.grad_valid:
             self._attach_grads()
 
-    def point_optim(self, optim: torch.Tensor) -> None:
-        """The optimizer copy's values now live in `optim` (the same values, or none: a disk bucket's stand-in
-        between its steps, [Note: disk tier]); the optimizer's parameters (same objects) view it. By whoever owns
-        the bucket's optimizer copy now: the placement, or the disk tier in the bucket's gradient turn."""
+    def point_optim(self, optim: torch.Tensor, resident: bool = True) -> None:
+        """The optimizer copy's values now live in `optim` (the same values; or none, `resident=False`: a disk
+        bucket's stand-in between its steps, [Note: disk tier]); the optimizer's parameters (same objects) view
+        it. By whoever owns the bucket's optimizer copy now: the placement, or the disk tier in the bucket's
+        gradient turn."""
         self.optim = optim
         for slot, view in zip(self.slots, self.views(optim)):
             slot.optim.data = view
-        self.versions.moved_optim(optim)
+        self.versions.moved_optim(optim, resident)
 
     def settle(self) -> None:
         """[Note: device steps are synchronous]

@@ -202,7 +202,7 @@ class DiskTier(StateTier):
         # the optimizer wrote the step into the compute copy (exact) or kept it apart (lagged) already
         views = self._held.pop(bucket.index)
         self._take_entries(bucket, views, self._state_of())
-        bucket.point_optim(self.stand_in_of(bucket))
+        bucket.point_optim(self.stand_in_of(bucket), resident=False)
         self.staging.release(bucket.index, dirty=True)
 
     # ------------------------------------------------------------------ while nothing runs
@@ -240,7 +240,7 @@ class DiskTier(StateTier):
                 yield
             finally:
                 self._take_entries(bucket, views, state)
-                bucket.point_optim(self.stand_in_of(bucket))
+                bucket.point_optim(self.stand_in_of(bucket), resident=False)
 
     def optim_values(self, bucket: Bucket) -> torch.Tensor:
         return self._mapped(bucket)[OPTIM]

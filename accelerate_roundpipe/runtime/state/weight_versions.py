@@ -77,6 +77,9 @@ class WeightVersions:
         self._optim_version_seen = optim._version if optim is not None else 0  # after the engine's own last write
         self._stash: torch.Tensor | None = None
         self._newest: torch.Tensor | None = None  # `hold_newest`'s copy, until the write-back
+        # False while the optimizer copy is a stand-in of no values (a disk bucket between its steps): the compute
+        # copy then holds the newest weights unless `_newest` does
+        self._optim_resident = True
         self._new_versions_reserved = 0
 
     # ------------------------------------------------------------------ what readers ask
@@ -140,8 +143,9 @@ class WeightVersions:
         if self._steps.compute != self._steps.optim:
             self._copy_optim_into_compute()
 
-    def moved_optim(self, optim: torch.Tensor) -> None:
+    def moved_optim(self, optim: torch.Tensor, resident: bool = True) -> None:
         self._optim = optim
+        self._optim_resident = resident
         self._optim_version_seen = optim._version
 
     def restore_stash(self, tensor: torch.Tensor) -> None:
@@ -158,6 +162,7 @@ class WeightVersions:
     def loaded_into_both(self) -> None:
         """Both copies were written from outside with the same weights (the store being built, a load)."""
         self._optim_version_seen = self._optim._version
+        self._newest = None  # the loaded weights are the newest
 
     def loaded_from_compute(self) -> None:
         """Weights were loaded into the compute copy: the optimizer copy follows."""
@@ -165,14 +170,17 @@ class WeightVersions:
             copy_with_cast(self._optim, self._compute)
         self._optim_version_seen = self._optim._version
         self._steps.compute = self._steps.optim
+        self._newest = None  # the loaded weights are the newest
 
     def _copy_newest_into_compute(self) -> None:
-        """The newest weights into the compute copy: from the optimizer copy, or what `hold_newest` kept."""
-        if self._newest is None:
+        """The newest weights into the compute copy: what `hold_newest` kept, else the optimizer copy, unless that
+        is a stand-in (the compute copy holds the newest then: an exact step wrote it, a load filled both)."""
+        if self._newest is not None:
+            with torch.no_grad():
+                self._compute.copy_(self._newest)
+        elif self._optim_resident:
             self._copy_optim_into_compute()
             return
-        with torch.no_grad():
-            self._compute.copy_(self._newest)
         self._steps.compute = self._steps.optim
 
     def _copy_optim_into_compute(self) -> None:
