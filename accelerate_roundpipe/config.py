@@ -151,6 +151,8 @@ NUMBER_RANGES: dict[str, NumberRange] = {
                                      units=("gib", "gb", "g")),
     "optimizer_device_budget": NumberRange(integer=False, what="size in GiB (e.g. 8 or '8GiB')",
                                            units=("gib", "gb", "g")),
+    "host_memory_budget": NumberRange(integer=False, what="size in GiB (e.g. 96 or '96GiB')",
+                                      units=("gib", "gb", "g")),
 }
 
 
@@ -194,6 +196,16 @@ def _int_list(value: Any, name: str, given: Given | None = None) -> list[int] | 
         raise _refusal(name, value, "a list of layer counts, e.g. '3,3,2' (every stage needs at least one layer)",
                        given)
     return [int(c) for c in counts]
+
+
+def _folder_setting(value: Any, name: str, given: Given | None = None) -> str:
+    """A folder setting: a non-empty path, `~` expanded; whether it can hold what goes there is checked where that
+    is known (the disk tier's `check_offload_dir`, before anything is written)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise _refusal(name, value, "a folder path (a local disk, e.g. /scratch/roundpipe)", given)
+    return os.path.expanduser(value.strip())
 
 
 WORKER_TYPES = ("cuda", "cpu")
@@ -329,6 +341,16 @@ class RoundPipeConfig:
         optimizer_device_budget (`float` GiB or a string like "8GiB", env `ROUNDPIPE_OPTIMIZER_DEVICE_BUDGET`): GPU
             memory, per device, that optimizer placement may fill (20 bytes a parameter with AdamW). Default: half
             of `gpu_memory_budget` (the other half stays for stages and saved inputs); no limit for CPU workers.
+        host_memory_budget (`float` GiB or a string like "96GiB", env `ROUNDPIPE_HOST_MEMORY_BUDGET`): host memory
+            the engine's store may fill (compute copies, optimizer copies, gradients, optimizer state); past it the
+            optimizer copies and states of the top layers' buckets live in swap files under `offload_dir`, read
+            ahead of their step and written back after ([Note: disk tier] in `runtime/state/disk_tier.py`).
+            Default: the memory available when the optimizer is wrapped (the store's own included) less a headroom
+            of 20% (at least 4 GiB).
+        offload_dir (`str`, env `ROUNDPIPE_OFFLOAD_DIR`): the folder of the disk tier's swap files (a local disk;
+            never tmpfs, which is memory). Made only when a bucket goes to disk; the files are removed at
+            `close()`, and a killed run's at the next start. Default: `$XDG_CACHE_HOME/roundpipe/offload`
+            (`~/.cache/roundpipe/offload` when `XDG_CACHE_HOME` is unset).
         data_parallel (`bool`, env `ROUNDPIPE_DATA_PARALLEL`): run as one rank of a data-parallel group over
             `torch.distributed` (one process per machine, each an engine over its local devices; see
             [Note: data parallel] in `runtime/distribution/gloo_exchange.py`). True requires an initialized process
@@ -383,6 +405,12 @@ class RoundPipeConfig:
         "help": "Where optimizer state lives: 'auto' (as much on the GPU as fits), 'host', 'device'. Default: auto."})
     optimizer_device_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device optimizer placement may fill, in GiB. Default: half of the GPU budget."})
+    host_memory_budget: float | str | None = field(default=None, metadata={
+        "help": "Host memory the store may fill, in GiB; past it optimizer state goes to offload_dir. Default: "
+                "the memory available less 20%."})
+    offload_dir: str | None = field(default=None, metadata={
+        "help": "Folder of the disk tier's swap files. Default: $XDG_CACHE_HOME/roundpipe/offload "
+                "(~/.cache/roundpipe/offload)."})
     data_parallel: bool | None = field(default=None, metadata={
         "help": "Run as one rank of a torch.distributed data-parallel group. Default: on when world size > 1."})
 
@@ -462,6 +490,8 @@ class RoundPipeConfig:
                 setattr(self, name, text)
         for name in ("forward_stages", "backward_stages"):
             setattr(self, name, _int_list(getattr(self, name), name, given.get(name)))
+        if self.offload_dir is not None:
+            self.offload_dir = _folder_setting(self.offload_dir, "offload_dir", given.get("offload_dir"))
 
     # Resolved values: what the engine actually uses, and the defaults the docs state (tests/test_docs_defaults.py).
     def resolved_devices(self) -> list[torch.device]:
@@ -493,6 +523,15 @@ class RoundPipeConfig:
     @property
     def resolved_optimizer_placement(self) -> str:
         return self.optimizer_placement or "auto"
+
+    @property
+    def resolved_offload_dir(self) -> str:
+        """`offload_dir`, else the user's cache folder's `roundpipe/offload` (`XDG_CACHE_HOME`, else `~/.cache`):
+        a disk users expect to hold caches, never /tmp (often tmpfs, which is memory)."""
+        if self.offload_dir is not None:
+            return self.offload_dir
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(cache, "roundpipe", "offload")
 
     @property
     def resolved_recompute(self) -> str:

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import gc
 import importlib.metadata
+import os
 import statistics
 import sys
 import time
@@ -34,7 +35,10 @@ from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa:
 from benchmarks.memory import host_peak_gib, is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
-from benchmarks.runners import RUNNERS  # noqa: E402
+from benchmarks.runners import (
+    RUNNERS,  # noqa: E402
+    common,  # noqa: E402
+)
 from benchmarks.runners.common import config_values  # noqa: E402
 from benchmarks.workloads import WORKLOADS, is_sweep, lora_targets  # noqa: E402
 
@@ -81,8 +85,22 @@ def model_settings(model: torch.nn.Module, lora_arch: str | None) -> dict:
     return out
 
 
+def disk_probe(config: RoundPipeConfig, path: dict | None) -> dict:
+    """The disk's own sequential bandwidth under `offload_dir`, as the engine measured it at start when it had a
+    disk tier, else measured here (a run all on the host, for comparison in the same call)."""
+    from accelerate_roundpipe.runtime.disk import probe_bandwidth
+
+    placed = ((path or {}).get("optimizer_placement") or {}).get("disk")
+    if placed and "disk_read_gbps" in placed:
+        return {**{k: v for k, v in placed.items() if k.startswith("disk_")}, "measured_by": "the engine's start"}
+    folder = config.resolved_offload_dir
+    os.makedirs(folder, exist_ok=True)
+    return {**common.disk_bandwidth_of(probe_bandwidth(folder)), "measured_by": "benchmarks/run.py"}
+
+
 def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm: int, iters: int, lr: float,
-            peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0) -> dict:
+            peak_tflops: float, logging_steps: int = 10, max_grad_norm: float = 0.0,
+            with_disk_probe: bool = False) -> dict:
     w = WORKLOADS[workload]
     trainer = system == "roundpipe-trainer"
     training = {"optimizer_step": "async" if config.resolved_async_optimizer else "sync",
@@ -119,6 +137,8 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
         return {**record, "tokens_per_s": None, "mfu": None, "gpu_peak_gib": None, "host_peak_gib": None,
                 "status": status, "error": repr(error)[:600], "settings": settings}
     placement = optimizer_placement(config, result["path"])  # the engine's, after the optimizer was wrapped
+    if with_disk_probe:
+        settings["disk_bandwidth"] = disk_probe(config, result["path"])
     settings.update(optimizer_placement=placement, num_microbatches=result["num_microbatches"], path=result["path"],
                     step_s=result["step_s"])
     record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
@@ -145,6 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-GPU dense bf16 peak for the MFU")
     parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
+    parser.add_argument("--disk-probe", action="store_true", help="record the disk's sequential bandwidth under "
+                        "offload_dir in the record's settings (the engine's start probe when it had a disk tier)")
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
@@ -212,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                                      kernels=args.kernels, recompute=args.recompute, **extra, **args.roundpipe)
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
-                             args.max_grad_norm)
+                             args.max_grad_norm, args.disk_probe)
             emit(record, args.out)
             gc.collect()
             if torch.cuda.is_available():

@@ -88,7 +88,7 @@ def save_engine_extras(engine: RoundPipe, directory: str, suffix: str = "") -> N
         save_file(lagged, lagged_path)
         written.append(lagged_path)
     if has_low_precision_compute(engine):
-        tensors = {name: p.detach().to("cpu", copy=True) for name, p in engine.named_parameters() if p.requires_grad}
+        tensors = engine.optimizer_copies()  # read where they live (the disk tier's from its files)
         save_file(tensors, copies_path)
         written.append(copies_path)
     # Last, listing the others: a save cut short leaves no engine state, and a resume says so

@@ -33,6 +33,8 @@ class PlacementView:
 
     summary: str  # its line of the start summary
     device_bytes: int  # bytes kept on devices, not in host memory
+    tiers: str = ""  # buckets and GiB per tier, the disk's bandwidth ([Note: disk tier]); its line of the summary
+    disk_bytes: int = 0  # bytes kept in swap files, not in host memory
 
 
 @dataclass(frozen=True)

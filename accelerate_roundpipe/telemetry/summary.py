@@ -70,14 +70,15 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _on_device(placement: PlacementView | None) -> int:
-    """Bytes of optimizer state the placement keeps on devices, not in host memory ([Note: optimizer placement])."""
-    return placement.device_bytes if placement is not None else 0
+def _off_host(placement: PlacementView | None) -> int:
+    """Bytes of optimizer state the placement keeps on devices or on disk, not in host memory
+    ([Note: optimizer placement])."""
+    return placement.device_bytes + placement.disk_bytes if placement is not None else 0
 
 
 def _host_bytes(store: StoreView, placement: PlacementView | None) -> int:
     """The store's estimate, less what the placement keeps on devices; never below the compute copies."""
-    return max(store.estimated_bytes - _on_device(placement), store.compute_bytes)
+    return max(store.estimated_bytes - _off_host(placement), store.compute_bytes)
 
 
 def engine_summary(snapshot: EngineSnapshot) -> str:
@@ -93,13 +94,15 @@ def engine_summary(snapshot: EngineSnapshot) -> str:
     ]
     if placement is not None:  # [Note: optimizer placement]
         lines.append(f"  optimizer state: {placement.summary}")
+        if placement.disk_bytes:  # [Note: disk tier]
+            lines.append(f"  tiers: {placement.tiers}")
     if group is not None:
         lines.append(f"  data parallel: rank {group.rank} of {group.world_size} (gradients reduce-scattered, optimizer "
                      f"state sharded, weights all-gathered per bucket; gloo)")
     lines += [f"  {name}: {value}" for name, value in snapshot.notes]
     lines += [
         f"  host memory: about {_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
-        f"with AdamW state{' of the buckets on the host' if _on_device(placement) else ''}), "
+        f"with AdamW state{' of the buckets on the host' if _off_host(placement) else ''}), "
         f"pinned: {'yes' if store.pinned else 'no'}",
         f"  trace: {snapshot.trace_path} (written at the end of training and at exit)"
         if snapshot.trace_path

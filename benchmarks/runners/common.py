@@ -63,9 +63,24 @@ def placement_of(engine) -> dict | None:
     placement = getattr(engine, "optimizer_placement", None)
     if placement is None:
         return None
-    return {"summary": placement.summary(), "device_buckets": len(placement.device_buckets),
-            "host_buckets": len(placement.host_buckets), "device_gib": round(placement.device_bytes() / 2**30, 3),
-            "setting": placement.setting, "placed": placed_as(placement)}
+    out = {"summary": placement.summary(), "device_buckets": len(placement.device_buckets),
+           "host_buckets": len(placement.host_buckets), "device_gib": round(placement.device_bytes() / 2**30, 3),
+           "setting": placement.setting, "placed": placed_as(placement)}
+    disk = getattr(placement, "disk", None)
+    if disk is not None:  # the disk tier ([Note: disk tier] in runtime/state/disk_tier.py)
+        out["disk"] = {"buckets": len(placement.disk_buckets), "gib": round(placement.disk_bytes / 2**30, 3),
+                       "host_budget_gib": round(placement.host_budget_bytes / 2**30, 3), "folder": disk.folder,
+                       "tiers": placement.tiers_line(), **disk_bandwidth_of(disk.bandwidth),
+                       "implied_step_s": disk.step_seconds and round(disk.step_seconds, 3)}
+    return out
+
+
+def disk_bandwidth_of(bandwidth) -> dict:
+    """A `DiskBandwidth` (the disk's probe: runtime/disk/bandwidth.py) as record fields."""
+    if bandwidth is None:
+        return {}
+    return {"disk_write_gbps": round(bandwidth.write_gbps, 3), "disk_read_gbps": round(bandwidth.read_gbps, 3),
+            "disk_probe_bytes": bandwidth.nbytes, "disk_folder": bandwidth.folder}
 
 
 def placed_as(placement) -> str:
@@ -73,6 +88,8 @@ def placed_as(placement) -> str:
     trainable bucket stayed on the host, whatever the setting (host; auto with CPU workers or under data
     parallelism; nothing that fit the device budget), else the setting. Read from the engine, not re-derived from
     the config: the engine's rules (placement.py) are the only ones."""
+    if getattr(placement, "disk_buckets", None):
+        return f"{placement.setting}+disk" if placement.device_buckets else "disk"
     return placement.setting if placement.device_buckets else "host"
 
 

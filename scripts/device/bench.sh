@@ -7,7 +7,9 @@
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts,
-# moe-cap24, moe-cap24-b32, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24. `anchors` adds, for every other workload named, the reference RoundPipe and/or
+# moe-cap24, moe-cap24-b32, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
+# disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload).
+# `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
 # $OUT/convergence_*.jsonl, throw-away warm-up runs' to $OUT/warmup.jsonl, the whole output to $OUT/bench.log; the
@@ -24,6 +26,7 @@ WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile ke
 WORKLOADS+=" eval-startup"
 WORKLOADS+=" moe-experts"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
+WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -226,6 +229,21 @@ run_ours() {
     ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
   dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
     ours 240 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+  disk-cap24)  # the disk tier under the 24 GiB cap: Qwen3-4B full fine-tune, exact step, with host_memory_budget=24
+    # (optimizer copies and states past it in swap files), then the same run with nothing on disk (the default
+    # budget); the engine's placement otherwise (auto: some state on the GPU). Each record holds the disk's probe.
+    w=qwen3-4b-full-s4096-b8-cap24
+    ours 330 $w roundpipe-engine --warm 2 --iters 4 --disk-probe --roundpipe host_memory_budget=24
+    ours 150 $w roundpipe-engine --warm 2 --iters 4 --disk-probe ;;
+  disk-cap24-host)  # the same two with every bucket's state off the GPU: all on disk (24 GiB holds the compute
+    # copies and gradients only) against all on the host
+    w=qwen3-4b-full-s4096-b8-cap24
+    ours 330 $w roundpipe-engine --warm 2 --iters 4 --disk-probe --roundpipe host_memory_budget=24 \
+      --roundpipe optimizer_placement=host
+    ours 150 $w roundpipe-engine --warm 2 --iters 4 --disk-probe --roundpipe optimizer_placement=host ;;
+  disk-8b)  # Llama-3.1-8B full fine-tune with host_memory_budget=96 (its 134 GiB of host state do not fit)
+    ours 540 llama3.1-8b-full-s4096-b8 roundpipe-engine --warm 2 --iters 3 --disk-probe \
+      --roundpipe host_memory_budget=96 ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto

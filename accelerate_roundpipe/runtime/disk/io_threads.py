@@ -4,11 +4,13 @@ one bucket's read or write keeps several requests in flight (what an NVMe disk n
 A `Transfer` is one bucket's read or write: its chunks run on any of the threads, and it is done when all of them
 are; its first error (wrapped to name the file) is kept for whoever waits, and `on_done` runs on the thread that
 finished it. `hook(kind, path, offset, nbytes)` runs on the I/O thread before each chunk: tests inject delays and
-errors there (off by default).
+errors there (off by default). `span(kind, path, offset, nbytes)`, when given, returns a context manager entered
+around each chunk's system calls: the trace's "disk" track.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from .errors import SwapIOError, SwapTimeoutError
 
 CHUNK_BYTES = 16 * 2**20
 Hook = Callable[[str, str, int, int], None]
+Span = Callable[[str, str, int, int], contextlib.AbstractContextManager]
 
 
 class Transfer:
@@ -55,11 +58,12 @@ class Transfer:
 class IOThreads:
     """`threads` daemon-free worker threads (joined at exit, so a write in flight completes)."""
 
-    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK_BYTES, hook: Hook | None = None) -> None:
+    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK_BYTES, hook: Hook | None = None,
+                 span: Span | None = None) -> None:
         if threads < 1 or chunk_bytes < 1:
             raise ValueError(f"the disk tier needs at least one I/O thread and a positive chunk size, got "
                              f"threads={threads}, chunk_bytes={chunk_bytes}")
-        self.chunk_bytes, self.hook = chunk_bytes, hook
+        self.chunk_bytes, self.hook, self.span = chunk_bytes, hook, span
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="roundpipe-disk-io")
 
     def submit(self, kind: str, file: BucketFile, buffer: torch.Tensor, nbytes: int,
@@ -81,7 +85,10 @@ class IOThreads:
                 if self.hook is not None:
                     self.hook(transfer.kind, file.path, start, stop - start)
                 move = file.read_range if transfer.kind == "read" else file.write_range
-                move(buffer, start, stop)
+                span = self.span(transfer.kind, file.path, start, stop - start) if self.span is not None \
+                    else contextlib.nullcontext()
+                with span:
+                    move(buffer, start, stop)
         except SwapIOError as failure:
             error = failure
         except BaseException as failure:  # noqa: B036 - whatever failed, the caller must hear of it, naming the file

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import StagingOrderError, SwapIOError, SwapTimeoutError
-from .io_threads import CHUNK_BYTES, Hook, IOThreads, Transfer
+from .io_threads import CHUNK_BYTES, Hook, IOThreads, Span, Transfer
 from .swap_files import SwapFiles
 
 
@@ -56,7 +56,8 @@ class DiskStaging:
 
     def __init__(self, files: SwapFiles, slots: int, *, io_threads: int = 4, timeout_s: float = 60.0,
                  hook: Hook | None = None, pin_memory: bool | None = None,
-                 allocate: Callable[[int], torch.Tensor] | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+                 allocate: Callable[[int], torch.Tensor] | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 span: Span | None = None) -> None:
         if slots < 1:
             raise ValueError(f"disk staging needs at least 1 slot, got {slots}")
         if not timeout_s > 0:
@@ -68,7 +69,7 @@ class DiskStaging:
         if self._buffer.dtype != torch.uint8 or self._buffer.numel() < total:
             raise ValueError(f"allocate({total}) must return at least {total} uint8 elements")
         self._slot_buffers = [self._buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes] for i in range(slots)]
-        self._io = IOThreads(io_threads, chunk_bytes, hook)
+        self._io = IOThreads(io_threads, chunk_bytes, hook, span)
         self._cond = threading.Condition()
         self._expected: deque[Hashable] = deque()  # scheduled, not acquired yet, in order
         self._unread: deque[Hashable] = deque()  # scheduled, read not started yet, in order

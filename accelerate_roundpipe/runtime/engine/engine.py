@@ -323,6 +323,8 @@ class RoundPipe(HostResidentModule):
                 self._store.memory.release()
                 if self.trace is not None:
                     self._write_trace()
+                if self._placement is not None:  # last: a disk failure not raised yet is raised here
+                    self._placement.close()  # the disk tier's swap files ([Note: disk tier])
 
     @property
     def closed(self) -> bool:  # `close()` ran (or the engine was abandoned): it cannot be used any more
@@ -360,6 +362,12 @@ class RoundPipe(HostResidentModule):
         compute copies from them: unlike `load_state_dict`, nothing is rounded through the compute dtype."""
         self.synchronize()
         engine_checkpoint.load_optimizer_copies(tensors, self.named_parameters(), self._store, self.optimizer)
+
+    def optimizer_copies(self) -> dict[str, torch.Tensor]:
+        """The full-precision weights of the trainable parameters (named as in `named_parameters()`), as new host
+        tensors, after `synchronize()`: what a checkpoint saves of the optimizer copies, wherever they live."""
+        self.synchronize()
+        return engine_checkpoint.optimizer_copies(self.named_parameters(), self._store)
 
     def lagged_weights(self) -> dict[str, torch.Tensor]:
         """With the lagged step, after a look: the compute copies the next training pass computes with (one step

@@ -122,12 +122,30 @@ def load_optimizer_copies(tensors: dict[str, torch.Tensor], named_parameters: It
                           store: HostStore, optimizer: RoundPipeOptimizer | None) -> None:
     if optimizer is not None:
         optimizer.forget_stashes()
-    with torch.no_grad():
-        for name, p in named_parameters:
-            if p.requires_grad and name in tensors:
-                p.copy_(tensors[name])
+    values = {id(p): tensors[name] for name, p in named_parameters if p.requires_grad and name in tensors}
     for bucket in store.trainable_buckets:
-        bucket.versions.loaded_from_optim()
+        with bucket.tier.resident(bucket), torch.no_grad():  # one bucket in memory at a time ([Note: disk tier])
+            for slot in bucket.slots:
+                if id(slot.optim) in values:
+                    slot.optim.copy_(values[id(slot.optim)])
+            bucket.versions.loaded_from_optim()
+
+
+def optimizer_copies(named_parameters: Iterator[tuple[str, nn.Parameter]], store: HostStore) -> dict[str, torch.Tensor]:
+    """The trainable optimizer copies by name, as new host tensors, read where their tier keeps them (a disk
+    bucket's from its file: [Note: disk tier])."""
+    where = {id(slot.optim): (bucket, slot) for bucket in store.trainable_buckets for slot in bucket.slots}
+    flats: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, p in named_parameters:
+        if not p.requires_grad or id(p) not in where:
+            continue
+        bucket, slot = where[id(p)]
+        if bucket.index not in flats:
+            flats[bucket.index] = bucket.tier.optim_values(bucket)
+        view = flats[bucket.index][slot.offset:slot.offset + slot.numel].view(slot.shape)
+        out[name] = view.detach().to("cpu", copy=True)
+    return out
 
 
 @contextlib.contextmanager
@@ -138,7 +156,8 @@ def loading_compute_copies(store: HostStore, optimizer: RoundPipeOptimizer | Non
         optimizer.forget_stashes()
     yield
     for bucket in store.trainable_buckets:
-        bucket.versions.loaded_from_compute()
+        with bucket.tier.resident(bucket):  # one bucket in memory at a time ([Note: disk tier])
+            bucket.versions.loaded_from_compute()
 
 
 def lagged_weights(store: HostStore) -> dict[str, torch.Tensor]:

@@ -29,6 +29,12 @@ def _slot(engine: RoundPipe, param: torch.nn.Parameter) -> ParamSlot | None:
     return None if where is None else store.buckets[where[0]].slots[where[1]]
 
 
+def _optimizer_copy(engine: RoundPipe, param: torch.nn.Parameter, slot: ParamSlot) -> torch.Tensor:
+    """`slot`'s optimizer copy values, read where its bucket's tier keeps them ([Note: disk tier])."""
+    bucket = engine.host_store.buckets[engine.host_store.bucket_of[id(param)][0]]
+    return bucket.tier.optim_values(bucket)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+
 def model_dtype_parameters(engine: RoundPipe) -> dict[str, torch.Tensor]:
     """The parameters (by state-dict name) whose compute copy is not in the model's own dtype, as new tensors in
     that dtype from their optimizer copies; tied names share one tensor. Call after `engine.synchronize()`."""
@@ -39,7 +45,7 @@ def model_dtype_parameters(engine: RoundPipe) -> dict[str, torch.Tensor]:
         if slot is None or slot.model_dtype is None or param.dtype == slot.model_dtype:
             continue
         if id(param) not in made:
-            source = slot.optim if slot.optim is not None else param
+            source = _optimizer_copy(engine, param, slot) if slot.optim is not None else param
             # on the host, where the module's parameters are (an optimizer copy may be on its device)
             source = source.detach()
             made[id(param)] = (source.to(slot.model_dtype, copy=True) if source.device == param.device

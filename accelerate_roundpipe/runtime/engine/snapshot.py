@@ -58,7 +58,8 @@ def engine_snapshot(config: RoundPipeConfig, devices: Sequence[Device], layers: 
         recompute=config.resolved_recompute,
         trace_path=config.trace_path,
         optimizer=_optimizer(optimizer),
-        placement=None if placement is None else PlacementView(placement.summary(), placement.device_bytes()),
+        placement=None if placement is None else PlacementView(placement.summary(), placement.device_bytes(),
+                                                               placement.tiers_line(), placement.disk_bytes),
         data_parallel=None if group is None else DataParallelView(group.rank, group.world_size),
         store=_store(store),
         notes=tuple(notes.items()))

@@ -37,7 +37,7 @@ from ...telemetry.summary import announce, transfers_line
 from ..common.sync import FailureFlag
 from ..devices.device import Device
 from ..state.host_store import HostStore
-from ..state.placement import OptimizerPlacement, place_optimizer_state
+from ..state.placement import OptimizerPlacement, place_optimizer_state, place_past_host_budget
 from .layer_profile import LayerProfile
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ class MeasuredPlan:
         config = self.config
         placement = place_optimizer_state(config.resolved_optimizer_placement, config.optimizer_device_budget,
                                           self.devices, self.store, optimizer, data_parallel, self.budget_bytes)
+        placement = place_past_host_budget(placement, self.store, optimizer, data_parallel,
+                                           config.host_memory_budget, config.resolved_offload_dir,
+                                           config.resolved_wait_timeout_s)  # [Note: disk tier]
         if self.budget_bytes is not None and placement.device_buckets:
             self.budget_bytes -= placement.most_on_one_device()
             if not self.enabled:

@@ -14,6 +14,7 @@ then shows the newest weights.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -79,6 +80,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         # How this process steps its buckets: whole, or its shard of them ([Note: data parallel]).
         self.layout = layout_of(inner) if layout_of is not None else WholeBuckets(inner, store)
         self._exact, self._lagged = ExactStep(), LaggedStep()
+        self._tiers = list({id(b.tier): b.tier for b in store.trainable_buckets}.values())
+        for tier in self._tiers:  # [Note: state tiers]: a tier keeping no state in memory finds it here
+            tier.attach(lambda: self.layout.state, trace)
+        self._tiers_take_state()  # a state the user's optimizer held, loaded by the layout
         self.thread = SerialExecutor(failure, "roundpipe-optimizer")
         self.step_order = store.trainable_in_backward_order
         # [Note: optimizers the engine does not step]: the groups the steppers step; whether a later one replaced it
@@ -189,8 +194,17 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             for bucket, _ in begun:
                 if bucket.grad_valid:
                     self.layout.finish_step(bucket)
+                # readers read the optimizer copy only where it stays in memory ([Note: state tiers]); where it
+                # does not, an exact step is written into the compute copy now, in its write turn, and a lagged
+                # one kept apart for its held write-back
+                resident = bucket.tier.optim_resident
+                bucket.versions.step_written(current_for_readers and resident)
+                if not resident:
+                    if current_for_readers:
+                        bucket.versions.write_back()
+                    else:
+                        bucket.versions.hold_newest()
                 bucket.tier.after_step(bucket)
-                bucket.versions.step_written(current_for_readers)
         finally:
             for bucket, ticket in begun:
                 bucket.grads.end(ticket)
@@ -371,15 +385,29 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The user's optimizer's state dict (its format); under data parallelism this rank's shard of it, with the
-        world size, the rank and the shard layout ([Note: data parallel])."""
+        world size, the rank and the shard layout ([Note: data parallel]). A tier that keeps its buckets' state
+        outside memory shows it in the state for the call ([Note: disk tier])."""
         self.synchronize()
-        return self.layout.state_dict()
+        with contextlib.ExitStack() as shown:
+            for bucket in self.store.trainable_buckets:
+                shown.enter_context(bucket.tier.showing_state(bucket, self.layout.state))
+            state_dict = self.layout.state_dict()
+            if "state" not in state_dict or all(tier.optim_resident for tier in self._tiers):
+                return state_dict
+            # each parameter's entries as shown now: the tier takes its own back out of the live state after
+            return {**state_dict, "state": {key: dict(entry) for key, entry in state_dict["state"].items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A state dict as `state_dict()` saved it; under data parallelism this rank's shard (same world size) or a
         one-process state dict, which each rank cuts to its shard."""
         self.synchronize()
         self.layout.load_state_dict(state_dict)
+        self._tiers_take_state()
+
+    def _tiers_take_state(self) -> None:
+        """The state just loaded: each bucket's entries to where its tier keeps them ([Note: state tiers])."""
+        for bucket in self.store.trainable_buckets:
+            bucket.tier.take_state(bucket, self.layout.state)
 
     def load_shards(self, shards: list[dict[str, Any]]) -> None:
         """The optimizer state of a data-parallel run with any number of processes, from the shards of all its

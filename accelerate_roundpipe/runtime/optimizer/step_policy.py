@@ -89,8 +89,10 @@ class ExactStep:
             pending = list(entries)
             while pending:
                 failure.check()  # one job for every bucket: stop at a failure as the job queue would
-                ready = wait_for_any_turn([(bucket.grads, ticket) for bucket, ticket, _ in pending], failure,
+                eligible = _in_announced_order(pending, clip is not None)  # indices into pending
+                ready = wait_for_any_turn([(pending[i][0].grads, pending[i][1]) for i in eligible], failure,
                                           f"gradients of {pending[0][0]} (or a bucket below) for the optimizer step")
+                ready = [eligible[i] for i in ready]
                 entry = min((pending[i] for i in ready), key=lambda e: min(e[0].layers))
                 # a device bucket goes with the other device buckets ready: [Note: device steps in one call]
                 group = entry[0].tier.step_group
@@ -101,6 +103,19 @@ class ExactStep:
                 site.step_exactly(batch, hyper, clip)
 
         return step_as_gradients_land
+
+
+def _in_announced_order(pending: list[tuple[Bucket, int, int]], bottom_up: bool) -> list[int]:
+    """The indices (in order) of the entries of `pending` (backward order) the exact step may take next: every
+    bucket, except that of a tier with `ordered_steps` (the disk's staging reads in one order: [Note: state tiers])
+    only its next bucket in the order `announce_steps` gave it, backward order or bottom-up after a clip."""
+    first: dict[int, int] = {}  # id(tier) -> the index of its next bucket
+    for i in (reversed(range(len(pending))) if bottom_up else range(len(pending))):
+        tier = pending[i][0].tier
+        if tier.ordered_steps:
+            first.setdefault(id(tier), i)
+    return [i for i, (bucket, _, _) in enumerate(pending)
+            if not bucket.tier.ordered_steps or first[id(bucket.tier)] == i]
 
 
 class LaggedStep:

@@ -100,12 +100,20 @@ class Bucket:
         ([Note: optimizer placement], [Note: state tiers]): the optimizer's parameters (same objects) view the new
         copy."""
         self.tier = tier
-        self.optim, self.grad, self.pending = optim, grad, pending
-        for slot, view in zip(self.slots, self.views(optim)):
-            slot.optim.data = view
+        self.grad, self.pending = grad, pending
+        self.point_optim(optim, resident=tier.optim_resident)
         if self.grad_valid:
             self._attach_grads()
-        self.versions.moved_optim(optim)
+
+    def point_optim(self, optim: torch.Tensor, resident: bool = True) -> None:
+        """The optimizer copy's values now live in `optim` (the same values; or none, `resident=False`: a disk
+        bucket's stand-in between its steps, [Note: disk tier]); the optimizer's parameters (same objects) view
+        it. By whoever owns the bucket's optimizer copy now: the placement, or the disk tier in the bucket's
+        gradient turn."""
+        self.optim = optim
+        for slot, view in zip(self.slots, self.views(optim)):
+            slot.optim.data = view
+        self.versions.moved_optim(optim, resident)
 
     def settle(self) -> None:
         """[Note: device steps are synchronous]

@@ -47,7 +47,10 @@ def warn_if_short(needed: int, freed: int, available: int | None = None) -> str 
         return None
     message = (f"RoundPipe's host store needs about {needed / 2**30:.1f} GiB (compute copies, optimizer copies, "
                f"gradients, AdamW state) and this machine has about {(available + freed) / 2**30:.1f}"
-               f" GiB available: training may be killed for lack of memory. Train fewer parameters (LoRA: frozen "
-               f"weights keep one copy), a smaller model, or free host memory.")
+               f" GiB available. When the optimizer is wrapped, the optimizer copies and states past "
+               f"host_memory_budget (default: the memory available less 20%) go to swap files under offload_dir "
+               f"(the start summary's tiers line says how many); what must stay (compute copies, gradients, "
+               f"activations) may still not fit. Train fewer parameters (LoRA: frozen weights keep one copy), a "
+               f"smaller model, or free host memory.")
     logger.warning(message)
     return message

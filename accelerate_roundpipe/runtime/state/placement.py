@@ -29,12 +29,21 @@ The step stays exact by default: device buckets take the same tickets and events
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
 
 import torch
 
+from ..disk import DiskBandwidth, OffloadSettingError, available_memory_bytes, default_host_memory_budget
+from ..disk import remove_leftovers as remove_swap_leftovers
 from .bucket import Bucket
-from .tiers import DeviceTier, device_bytes_of
+from .disk_tier import DiskPlan, DiskTier, host_state_bytes, plan_disk, state_names
+from .tiers import DeviceTier, StateTier, device_bytes_of
+
+logger = logging.getLogger(__name__)
+GiB = 2**30
 
 DEVICE_SHARE = 0.5  # of the GPU memory budget, the default device budget of the optimizer placement
 # [Note: a host step hidden by streamed weights]: conservative rates for the estimate of "auto"
@@ -100,20 +109,72 @@ class BucketPlace:
 
 
 @dataclass(frozen=True)
+class DiskPlacement:
+    """The disk tier's part of a placement ([Note: disk tier]): plain data for the summary and the tests."""
+
+    plan: DiskPlan
+    folder: str  # this run's swap folder
+    bandwidth: DiskBandwidth | None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """What the disk's measured bandwidth implies for one step: every disk bucket read and written once."""
+        if self.bandwidth is None or not self.plan.file_bytes:
+            return None
+        nbytes = self.plan.file_bytes
+        return nbytes / (self.bandwidth.read_gbps * 1e9) + nbytes / (self.bandwidth.write_gbps * 1e9)
+
+
+@dataclass(frozen=True)
 class OptimizerPlacement:
     """The placement of every trainable bucket (plain data: print it, test it)."""
 
     setting: str  # optimizer_placement: auto, host or device
     budget_bytes: float | None  # per device; None: no limit
     places: tuple[BucketPlace, ...]
+    host_budget_bytes: int | None = None  # host_memory_budget, as resolved
+    host_state_bytes: int = 0  # optimizer copies, gradients and states of the host's buckets
+    disk: DiskPlacement | None = None
+    tiers: tuple[StateTier, ...] = field(default=(), compare=False, repr=False)  # what `close()` closes
 
     @property
     def device_buckets(self) -> list[int]:
         return [p.bucket for p in self.places if p.home is not None]
 
     @property
+    def disk_buckets(self) -> list[int]:
+        return sorted(self.disk.plan.buckets) if self.disk is not None else []
+
+    @property
     def host_buckets(self) -> list[int]:
-        return [p.bucket for p in self.places if p.home is None]
+        on_disk = set(self.disk_buckets)
+        return [p.bucket for p in self.places if p.home is None and p.bucket not in on_disk]
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk.plan.file_bytes if self.disk is not None else 0
+
+    def tiers_line(self) -> str:
+        """The start summary's line: buckets and GiB in each tier, and the disk's measured bandwidth."""
+        line = (f"device {len(self.device_buckets)} buckets {_size(self.device_bytes())}, host "
+                f"{len(self.host_buckets)} buckets {_size(self.host_state_bytes)}, disk "
+                f"{len(self.disk_buckets)} buckets {_size(self.disk_bytes)}")
+        if self.host_budget_bytes is not None:
+            line += f" (host_memory_budget {_size(self.host_budget_bytes)})"
+        disk = self.disk
+        if disk is not None:
+            line += f"; swap files in {disk.folder}"
+            if disk.bandwidth is not None:
+                line += (f"; disk measured at {disk.bandwidth.write_gbps:.2f} GB/s write, "
+                         f"{disk.bandwidth.read_gbps:.2f} GB/s read: about {disk.step_seconds:.3f} s a step to "
+                         f"read and write its buckets")
+            if not disk.plan.fits:
+                line += f"; the store still needs {_size(disk.plan.host_bytes)} with every bucket it can move on disk"
+        return line
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
 
     def device_bytes(self, home: str | None = None) -> int:
         """Bytes placed on `home` (every device when None)."""
@@ -125,21 +186,27 @@ class OptimizerPlacement:
                    default=0)
 
     def summary(self) -> str:
-        """One line for the start summary."""
+        """One line for the start summary (the disk tier's buckets, stepped by the host, count as the host's here;
+        `tiers_line` tells them apart)."""
         on_device = self.device_buckets
         total = len(self.places)
+        on_disk = f", {len(self.disk_buckets)} of them with their state on disk" if self.disk_buckets else ""
         if not on_device:
             why = self.places[0].reason if self.places else "no trainable parameters"
-            return f"{self.setting}: all {total} trainable buckets on the host ({why})"
+            return f"{self.setting}: all {total} trainable buckets on the host ({why}){on_disk}"
         homes = sorted({p.home for p in self.places if p.home is not None})
         numel = sum(p.numel for p in self.places if p.home is not None)
         budget = "no limit" if self.budget_bytes is None else f"{self.budget_bytes / 2**30:.1f} GiB per device"
         return (f"{self.setting}: {len(on_device)} of {total} trainable buckets ({numel / 1e6:.1f} M params, "
                 f"{self.device_bytes() / 2**30:.2f} GiB) on {', '.join(homes)}, stepped there; "
-                f"{total - len(on_device)} on the host (budget {budget})")
+                f"{total - len(on_device)} on the host (budget {budget}){on_disk}")
 
     def __str__(self) -> str:
         return "\n".join([f"optimizer placement ({self.summary()})", *(f"  {p}" for p in self.places)])
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _layers(layers: tuple[int, ...]) -> str:
@@ -185,7 +252,7 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
                           memory_budget_bytes: float | None) -> OptimizerPlacement:
     """Decide the placement for `optimizer` (wrapped now) on the workers' `devices` (`Device`s) and move the device
     buckets home ([Note: optimizer placement]). `budget_gib`: `optimizer_device_budget`; `memory_budget_bytes`: the
-    GPU memory the engine plans with (None for CPU workers)."""
+    GPU memory the engine plans with (None for CPU workers). The disk's part is `place_past_host_budget`'s."""
     homes = list({str(d.device): d.device for d in devices}.values())
     host_reason = None
     if setting == "host":
@@ -216,4 +283,56 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
             store.memory.give_back(old_optim)
             if old_grad is not None:  # gradients held before the placement ([Note: no spare gradient buffer])
                 store.grad_pool.give(old_grad)
-    return placement
+    return dataclasses.replace(placement, tiers=tuple(tiers.values()))
+
+
+def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torch.optim.Optimizer,
+                           data_parallel: bool, host_budget_gib: float | None, offload_dir: str,
+                           timeout_s: float) -> OptimizerPlacement:
+    """After `place_optimizer_state`: the buckets the host keeps past `host_budget_gib` (`host_memory_budget`;
+    None: the default) moved to the disk tier, their swap files under `offload_dir` ([Note: disk tier])."""
+    copies = state_copies(optimizer)
+    on_host = [store.buckets[p.bucket] for p in placement.places if p.home is None]
+    names = state_names(optimizer)
+    fixed = sum(b.compute.numel() * b.compute.element_size() for b in store.buckets)
+    if host_budget_gib is None:  # [Note: default host memory budget], the store's own memory counted as available
+        held = fixed + sum(b.optim.numel() * b.optim.element_size() for b in on_host)
+        host_budget_gib = default_host_memory_budget(available_memory_bytes() + held)
+    budget_bytes = int(host_budget_gib * GiB)
+    plan = plan_disk(on_host, fixed, budget_bytes,
+                     names if names is not None else tuple(f"state{i}" for i in range(copies)))
+    host_bytes = sum(host_state_bytes(b, copies) for b in on_host if b.index not in plan.buckets)
+    placement = dataclasses.replace(placement, host_budget_bytes=budget_bytes, host_state_bytes=host_bytes)
+    if not plan.buckets:
+        if os.path.isdir(offload_dir):
+            remove_swap_leftovers(os.path.abspath(offload_dir))  # a killed run's, even when no bucket goes there
+        return placement
+    _refuse_disk(plan, names, optimizer, data_parallel, host_budget_gib)
+    if not plan.fits:
+        logger.warning("RoundPipe: host_memory_budget is %.2f GiB, and the store needs %.2f GiB of host memory even "
+                       "with the optimizer state of every trainable bucket on disk (compute copies and gradients "
+                       "stay); training goes on, over the budget.", host_budget_gib, plan.host_bytes / GiB)
+    disk_buckets = [store.buckets[i] for i in plan.buckets]
+    disk = DiskTier.open(disk_buckets, names, offload_dir, timeout_s)
+    for bucket in disk_buckets:
+        old_optim = bucket.optim
+        bucket.rehome(disk, disk.stand_in_of(bucket), bucket.grad, bucket.pending)
+        store.memory.give_back(old_optim)
+    return dataclasses.replace(placement, disk=DiskPlacement(plan, disk.folder, disk.bandwidth),
+                               tiers=(*placement.tiers, disk))
+
+
+def _refuse_disk(plan: DiskPlan, names: tuple[str, ...] | None, optimizer: torch.optim.Optimizer,
+                 data_parallel: bool, budget_gib: float) -> None:
+    """What the disk tier cannot do yet, refused before anything is written, naming the settings and the numbers."""
+    need = (f"host_memory_budget={budget_gib:.3g} GiB (env ROUNDPIPE_HOST_MEMORY_BUDGET): the store needs "
+            f"{plan.host_bytes_before / GiB:.3f} GiB of host memory, so {len(plan.buckets)} trainable bucket(s) "
+            f"would keep their optimizer state on disk")
+    fix = f"raise host_memory_budget to at least {plan.host_bytes_before / GiB:.3f} GiB (everything on the host)"
+    if data_parallel:
+        raise OffloadSettingError(f"{need}, which is not supported under data parallelism yet (gradients and state "
+                                  f"are sharded on the host). {fix[0].upper() + fix[1:]}, or train on one process.")
+    if names is None:
+        raise OffloadSettingError(f"{need}, which keeps the state of torch's Adam, AdamW and SGD only, not of "
+                                  f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Use one of those, "
+                                  f"or {fix}.")

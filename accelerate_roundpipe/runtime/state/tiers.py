@@ -28,11 +28,18 @@ state in swap files under `offload_dir`, read into the bounded staging of `runti
 - `optim_resident`: False for the disk, whose optimizer copy is in a slot only during its step: readers must read
   the compute copy, so an exact step of a disk bucket is not `current_for_readers` and is written back in
   `after_step`, and a lagged one is held as a host bucket's is.
+That is how `runtime/state/disk_tier.py` uses them ([Note: disk tier]); the optimizer writes an exact step of a disk
+bucket into its compute copy before `after_step` and keeps a lagged one apart (`hold_newest`) for its held write-back.
+What only a tier that keeps nothing in memory needs has hooks of its own, no-ops here: `ordered_steps` (the exact
+step's job takes its buckets in the announced order), `attach` (the optimizer's state and trace), `take_state` and
+`showing_state` (a loaded state taken out of memory, a state dict made whole), `resident` and `optim_values` (a
+checkpoint's loads and reads, while nothing runs) and `close`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +71,8 @@ class StateTier:
     # The optimizer's `.grad` views of the bucket's last two gradient buffers are kept
     # ([Note: device gradient buffers reused]); host buffers come from a pool shared by every bucket.
     keeps_grad_views: bool = False
+    # The exact step takes the tier's buckets in the order `will_step` announced ([Note: exact step order]).
+    ordered_steps: bool = False
 
     def download_buffer(self, bucket: Bucket, like: torch.Tensor, device: Device) -> torch.Tensor:
         """Where `device`'s download of `bucket`'s gradients (sized and typed as `like`) lands
@@ -96,7 +105,33 @@ class StateTier:
         """Before the optimizer reads `bucket`'s optimizer copy and state, in its gradient turn."""
 
     def after_step(self, bucket: Bucket) -> None:
-        """After `bucket`'s step (settled), in its gradient turn."""
+        """After `bucket`'s step (settled) and its `step_written`, in its gradient turn."""
+
+    def attach(self, state_of: Callable[[], dict], trace: Any) -> None:
+        """The wrapped optimizer's state (`state_of()`: the dict keyed by the optimizer copies' parameters, which a
+        load replaces) and its trace recorder (None: off), when an optimizer is wrapped."""
+
+    def take_state(self, bucket: Bucket, state: dict) -> None:
+        """`state` (the optimizer's) now holds `bucket`'s entries as loaded: a tier not keeping them in memory
+        takes them."""
+
+    @contextlib.contextmanager
+    def showing_state(self, bucket: Bucket, state: dict) -> Iterator[None]:
+        """While nothing runs: `bucket`'s optimizer state entries complete in `state`, for a state dict."""
+        yield
+
+    @contextlib.contextmanager
+    def resident(self, bucket: Bucket, write: bool = True) -> Iterator[None]:
+        """While nothing runs: `bucket.optim` (its parameters' data) and its optimizer state in memory for the
+        caller to read or load into; with `write`, what the caller changed is kept."""
+        yield
+
+    def optim_values(self, bucket: Bucket) -> torch.Tensor:
+        """While nothing runs: the values of `bucket`'s optimizer copy, to read (a host or device tensor)."""
+        return bucket.optim
+
+    def close(self) -> None:
+        """The engine is closed: give back what the tier holds outside the store (files, staging)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})" if self.device is not None else type(self).__name__

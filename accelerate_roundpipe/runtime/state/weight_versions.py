@@ -19,7 +19,10 @@ holds the bucket's write turn (the optimizer thread), or by the caller while not
 - `show_current`: a look at a bucket stepped on its device ([Note: optimizer placement]): the current version in
   `optim` is copied into `compute` for whoever looks, and readers go on reading `optim` (on the device, where
   the next task needs it).
-- `moved_optim`: the optimizer copy moved to the bucket's home device (same contents).
+- `moved_optim`: the optimizer copy moved to the bucket's home device (same contents), or into and out of a disk
+  tier's staging slot ([Note: disk tier]).
+- `hold_newest`: a lagged step of a bucket whose optimizer copy leaves memory after its step (the disk tier):
+  the newest weights kept apart, cast to the compute dtype, for the held write-back and a look to copy from.
 - `loaded_from_optim` / `loaded_from_compute` / `loaded_into_both`: weights loaded from outside into one copy are
   copied into the other (or were written into both).
 What readers ask: `current(newest)` (the buffer a pass reads: its own version, or the newest for an evaluation
@@ -73,6 +76,10 @@ class WeightVersions:
         self._steps = StepCount()
         self._optim_version_seen = optim._version if optim is not None else 0  # after the engine's own last write
         self._stash: torch.Tensor | None = None
+        self._newest: torch.Tensor | None = None  # `hold_newest`'s copy, until the write-back
+        # False while the optimizer copy is a stand-in of no values (a disk bucket between its steps): the compute
+        # copy then holds the newest weights unless `_newest` does
+        self._optim_resident = True
         self._new_versions_reserved = 0
 
     # ------------------------------------------------------------------ what readers ask
@@ -119,21 +126,26 @@ class WeightVersions:
             self._steps.current_in_optim = True
 
     def write_back(self) -> None:
-        self._copy_optim_into_compute()
+        self._copy_newest_into_compute()
+        self._newest = None
         self._steps.current_in_optim = False
         self._stash = None  # the pass that read it has read it ([Note: looking changes nothing])
 
     def show_newest(self) -> None:
         if self._stash is None:  # else this step is shown already
             self._stash = self._compute.clone()
-            self._copy_optim_into_compute()
+            self._copy_newest_into_compute()
+
+    def hold_newest(self) -> None:
+        self._newest = self._optim.to(self._compute.dtype, copy=True)
 
     def show_current(self) -> None:
         if self._steps.compute != self._steps.optim:
             self._copy_optim_into_compute()
 
-    def moved_optim(self, optim: torch.Tensor) -> None:
+    def moved_optim(self, optim: torch.Tensor, resident: bool = True) -> None:
         self._optim = optim
+        self._optim_resident = resident
         self._optim_version_seen = optim._version
 
     def restore_stash(self, tensor: torch.Tensor) -> None:
@@ -150,12 +162,25 @@ class WeightVersions:
     def loaded_into_both(self) -> None:
         """Both copies were written from outside with the same weights (the store being built, a load)."""
         self._optim_version_seen = self._optim._version
+        self._newest = None  # the loaded weights are the newest
 
     def loaded_from_compute(self) -> None:
         """Weights were loaded into the compute copy: the optimizer copy follows."""
         with torch.no_grad():
             copy_with_cast(self._optim, self._compute)
         self._optim_version_seen = self._optim._version
+        self._steps.compute = self._steps.optim
+        self._newest = None  # the loaded weights are the newest
+
+    def _copy_newest_into_compute(self) -> None:
+        """The newest weights into the compute copy: what `hold_newest` kept, else the optimizer copy, unless that
+        is a stand-in (the compute copy holds the newest then: an exact step wrote it, a load filled both)."""
+        if self._newest is not None:
+            with torch.no_grad():
+                self._compute.copy_(self._newest)
+        elif self._optim_resident:
+            self._copy_optim_into_compute()
+            return
         self._steps.compute = self._steps.optim
 
     def _copy_optim_into_compute(self) -> None:

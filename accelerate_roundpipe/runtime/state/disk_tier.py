@@ -1,0 +1,313 @@
+"""The disk tier: the optimizer copies and optimizer states of the buckets past the host memory budget, in swap files
+under `offload_dir`, in memory only in a staging slot around their step.
+
+[Note: disk tier]
+Which buckets (`plan_disk`): when the store's host bytes (every compute copy; for each trainable bucket on the host
+its optimizer copy, gradient and optimizer states) exceed `host_memory_budget`, buckets go to disk from the top
+layers down until the rest and the staging fit. The top layers are stepped first in the backward, so their reads
+have the whole backward's tail to run ahead, and the next forward needs them last; a tied embedding (lowest layer 0)
+goes last. What stays in host memory of a disk bucket: its compute copy, which its readers read (`optim_resident`
+is False), its gradient buffers (the host pool's, as any host bucket's) and the optimizer's scalar state (AdamW's
+`step`). Its file holds its image: the optimizer copy, then each state tensor the optimizer keeps per parameter
+(`state_names`: AdamW's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` with amsgrad; SGD's `momentum_buffer`), each
+4 KiB aligned, the bucket's element offsets inside each ([Note: swap file per bucket]).
+
+One step, in the order of the protocol of `DiskStaging` ([Note: disk staging protocol]):
+1. `will_step` (at `step()`, caller's thread): the tier's buckets in the order the exact step takes them (backward
+   order, bottom-up after a clip) are scheduled; up to `SLOTS` reads start at once into the page-locked slots.
+2. `before_step` (optimizer thread, the bucket's gradient turn and write turn): `acquire` waits for the read; the
+   bucket's optimizer copy (`Bucket.point_optim`) and the optimizer's state entries of its parameters are pointed at
+   the slot's views. The exact step's job takes this tier's buckets in that same order (`ordered_steps`).
+3. The optimizer steps the slot in place (a first step makes the state in memory of the optimizer's own).
+4. The optimizer writes the stepped copy into the compute copy (`write_back`, in the write turn: the next upload
+   reads it) after an exact step; after a lagged one it keeps it apart, cast to the compute dtype
+   (`hold_newest`), for the write-back held until the next `step()` as a host bucket's is ([Note: one-step lag]).
+5. `after_step`: the state entries are taken out of the optimizer's state (a first step's copied into the slot),
+   the bucket points at a stand-in again (zero-stride, no memory; a write into it raises), and `release(dirty)`
+   writes the slot back to the file, after which the slot takes the next read.
+Between steps the optimizer's state of a disk bucket's parameter holds only what is not the parameter's size
+(`step`); which entries the file holds is `_stored`. The tier's own fields change on the optimizer thread in the
+bucket's turns, or on the caller's while nothing runs (a load, a look): the same turns that order the bucket's
+gradients.
+
+Checkpoints stay the optimizer's format: `showing_state` puts the file's state entries (read-only-mapped views of
+the files: nothing is read into memory until the checkpoint writer reads it) into the state for `state_dict()`,
+`take_state` moves a loaded state into the files, `resident` and `optim_values` serve the loads and reads of
+optimizer copies. So a checkpoint resumes under any mix of tiers. The swap files are never a checkpoint: they are
+removed at `close()`, and a killed run's at the next start ([Note: swap folder ownership]).
+
+With the lagged step (`async_optimizer`) a disk bucket lags as a host bucket does: its jobs take the buckets in
+backward order, the order announced; between its step and the held write-back it holds one compute-sized buffer
+(2 bytes a parameter in bfloat16), which the budget does not count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..disk import BucketLayout, DiskBandwidth, DiskStaging, TensorSpec, open_swap, probe_bandwidth
+from .tiers import Bucket, StateTier
+
+OPTIM = "optim"  # the optimizer copy's name in a bucket's layout
+SLOTS = 3  # staging slots: one stepped, one written back, one read ahead
+PROBE_MIN_BYTES = 4 * 2**20
+PROBE_MAX_BYTES = 256 * 2**20
+
+
+def state_names(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
+    """The optimizer's state entries of a parameter's size, which the disk tier keeps in the files; None for a class
+    whose state it does not know."""
+    groups = optimizer.param_groups
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if any(g.get("amsgrad") for g in groups) else ())
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",) if any(g.get("momentum") for g in groups) else ()
+    return None
+
+
+def host_state_bytes(bucket: Bucket, copies: int) -> int:
+    """A trainable host bucket's bytes besides its compute copy: optimizer copy, gradient, `copies` states."""
+    return bucket.optim.numel() * bucket.optim.element_size() * (2 + copies)
+
+
+def layout_of(bucket: Bucket, names: tuple[str, ...]) -> BucketLayout:
+    numel, dtype = bucket.optim.numel(), bucket.optim.dtype
+    return BucketLayout.of([TensorSpec(OPTIM, numel, dtype), *(TensorSpec(name, numel, dtype) for name in names)])
+
+
+def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a disk bucket's optimizer copy is between its steps: its size and dtype, one element of memory, and a
+    write into it raises (every element is the same one)."""
+    return torch.zeros((), dtype=dtype).expand(numel)
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """Which buckets go to disk under a host budget, and the host bytes that leaves (plain data)."""
+
+    buckets: tuple[int, ...]  # top layers first
+    budget_bytes: int
+    host_bytes_before: int  # the store with every trainable bucket of the host in memory
+    host_bytes: int  # with these on disk, staging included
+    file_bytes: int  # their swap files
+    staging_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.host_bytes <= self.budget_bytes
+
+
+def plan_disk(host_buckets: list[Bucket], fixed_bytes: int, budget_bytes: int, names: tuple[str, ...],
+              slots: int = SLOTS) -> DiskPlan:
+    """The buckets of `host_buckets` (trainable, on the host) that go to disk, top layers first, until the store's
+    host bytes (`fixed_bytes`: the compute copies and what else stays) fit `budget_bytes` ([Note: disk tier])."""
+    copies = len(names)
+    host = fixed_bytes + sum(host_state_bytes(b, copies) for b in host_buckets)
+    before, chosen, largest, files = host, [], 0, 0
+    for bucket in sorted(host_buckets, key=lambda b: (-min(b.layers), -b.index)):
+        staging = min(slots, len(chosen)) * largest
+        if host + staging <= budget_bytes:
+            break
+        nbytes = layout_of(bucket, names).nbytes
+        host -= bucket.optim.numel() * bucket.optim.element_size() * (1 + copies)  # the gradient stays
+        chosen.append(bucket.index)
+        largest, files = max(largest, nbytes), files + nbytes
+    staging = min(slots, len(chosen)) * largest
+    return DiskPlan(tuple(chosen), budget_bytes, before, host + staging, files, staging)
+
+
+def probe_size(file_bytes: int) -> int:
+    return int(min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, file_bytes)))
+
+
+class DiskTier(StateTier):
+    """Buckets whose optimizer copy and state live in swap files ([Note: disk tier]). One per engine."""
+
+    stale_compute_after_exact_step = False  # `after_step` writes the compute copy
+    optim_resident = False
+    ordered_steps = True  # the staging reads in the announced order
+
+    def __init__(self, staging: DiskStaging, names: tuple[str, ...], bandwidth: DiskBandwidth | None) -> None:
+        self.staging, self.names, self.bandwidth = staging, names, bandwidth
+        self.folder = staging.files.folder.path
+        self._state_of: Callable[[], dict] = dict
+        self._trace: Any = None
+        self._stored: dict[int, tuple[str, ...]] = {}  # id(optimizer copy parameter) -> the entries its file holds
+        self._held: dict[int, dict[str, torch.Tensor]] = {}  # bucket index -> its slot's tensors, during its step
+
+    @classmethod
+    def open(cls, buckets: list[Bucket], names: tuple[str, ...], offload_dir: str, timeout_s: float,
+             slots: int = SLOTS) -> DiskTier:
+        """Check `offload_dir`, remove dead runs' leftovers, make this run's swap files for `buckets`, write their
+        optimizer copies there (zero state), and measure the disk ([Note: disk tier]); the buckets are not moved."""
+        layouts = {b.index: layout_of(b, names) for b in buckets}
+        tier_ref: list[DiskTier] = []
+        staging = open_swap(offload_dir, layouts, min(slots, len(buckets)), timeout_s=timeout_s,
+                            span=lambda kind, path, start, n: tier_ref[0].io_span(kind, path, start, n))
+        try:
+            for bucket in buckets:
+                image = torch.zeros(layouts[bucket.index].nbytes, dtype=torch.uint8)
+                layouts[bucket.index].views(image)[OPTIM].copy_(bucket.optim)
+                staging.files[bucket.index].write_range(image, 0, image.numel())
+            bandwidth = probe_bandwidth(staging.files.folder.path, probe_size(staging.files.nbytes))
+        except BaseException:
+            staging.close()
+            raise
+        tier = cls(staging, names, bandwidth)
+        tier_ref.append(tier)
+        return tier
+
+    def io_span(self, kind: str, path: str, start: int, nbytes: int):
+        """The trace's span of one chunk's read or write, on the disk track of the I/O thread moving it ("disk io0",
+        ...: each thread's chunks follow one another, so no two spans of a track overlap)."""
+        trace = self._trace
+        if trace is None:
+            return contextlib.nullcontext()
+        thread = threading.current_thread().name.rsplit("_", 1)[-1]
+        return trace.span(f"disk io{thread}", f"{kind} {os.path.basename(path)} [{start}, {start + nbytes})")
+
+    def stand_in_of(self, bucket: Bucket) -> torch.Tensor:
+        return stand_in(bucket.optim.numel(), bucket.optim.dtype)
+
+    # ------------------------------------------------------------------ the step ([Note: state tiers])
+
+    def attach(self, state_of: Callable[[], dict], trace: Any) -> None:
+        self._state_of, self._trace = state_of, trace
+
+    def on_look(self, bucket: Bucket) -> None:
+        """`synchronize()`: the compute copy shows the step already; the write-backs still in flight finish, so
+        that after it nothing of the step is left running (and the files hold the newest state)."""
+        self.staging.flush()
+
+    def will_step(self, buckets: list[Bucket]) -> None:
+        self.staging.schedule([b.index for b in buckets])
+
+    def before_step(self, bucket: Bucket) -> None:
+        trace = self._trace  # the optimizer thread's wait for the read, on its own track
+        with trace.span(self.track, f"wait for the read of bucket{bucket.index}") if trace is not None \
+                else contextlib.nullcontext():
+            views = self.staging.acquire(bucket.index)
+        self._held[bucket.index] = views
+        self._bind(bucket, views, self._state_of())
+
+    def after_step(self, bucket: Bucket) -> None:
+        # the optimizer wrote the step into the compute copy (exact) or kept it apart (lagged) already
+        views = self._held.pop(bucket.index)
+        self._take_entries(bucket, views, self._state_of())
+        bucket.point_optim(self.stand_in_of(bucket), resident=False)
+        self.staging.release(bucket.index, dirty=True)
+
+    # ------------------------------------------------------------------ while nothing runs
+
+    def take_state(self, bucket: Bucket, state: dict) -> None:
+        with self._image(bucket, write=True) as views:
+            self._take_entries(bucket, views, state)
+
+    @contextlib.contextmanager
+    def showing_state(self, bucket: Bucket, state: dict) -> Iterator[None]:
+        image = self._mapped(bucket)
+        shown = []
+        for slot in bucket.slots:
+            stored = self._stored.get(id(slot.optim), ())
+            if stored:
+                entry = state.setdefault(slot.optim, {})
+                for name in stored:
+                    entry[name] = _slot_view(image[name], slot)
+                shown.append((slot.optim, entry, stored))
+        try:
+            yield
+        finally:
+            for param, entry, stored in shown:
+                for name in stored:
+                    entry.pop(name, None)
+                if not entry:
+                    state.pop(param, None)
+
+    @contextlib.contextmanager
+    def resident(self, bucket: Bucket, write: bool = True) -> Iterator[None]:
+        with self._image(bucket, write) as views:
+            state = self._state_of()
+            self._bind(bucket, views, state)
+            try:
+                yield
+            finally:
+                self._take_entries(bucket, views, state)
+                bucket.point_optim(self.stand_in_of(bucket), resident=False)
+
+    def optim_values(self, bucket: Bucket) -> torch.Tensor:
+        return self._mapped(bucket)[OPTIM]
+
+    def close(self) -> None:
+        self.staging.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _bind(self, bucket: Bucket, views: dict[str, torch.Tensor], state: dict) -> None:
+        """Point the bucket's optimizer copy and its parameters' stored state entries at `views`."""
+        bucket.point_optim(views[OPTIM])
+        for slot in bucket.slots:
+            stored = self._stored.get(id(slot.optim), ())
+            if stored:
+                entry = state.setdefault(slot.optim, {})
+                for name in stored:
+                    entry[name] = _slot_view(views[name], slot)
+
+    def _take_entries(self, bucket: Bucket, views: dict[str, torch.Tensor], state: dict) -> None:
+        """Take the parameters' state entries of a parameter's size out of `state` into `views` (copied when the
+        optimizer made them in memory of its own: a first step, a load) and remember which the file holds."""
+        for slot in bucket.slots:
+            entry = state.get(slot.optim)
+            stored = []
+            for name in self.names:
+                value = entry.get(name) if entry is not None else None
+                if not torch.is_tensor(value) or value.numel() != slot.numel:
+                    continue
+                view = _slot_view(views[name], slot)
+                if value.data_ptr() != view.data_ptr():
+                    with torch.no_grad():
+                        view.copy_(value)
+                del entry[name]
+                stored.append(name)
+            if stored:
+                self._stored[id(slot.optim)] = tuple(stored)
+            else:
+                self._stored.pop(id(slot.optim), None)
+            if entry is not None and not entry:
+                state.pop(slot.optim, None)
+
+    @contextlib.contextmanager
+    def _image(self, bucket: Bucket, write: bool) -> Iterator[dict[str, torch.Tensor]]:
+        """The bucket's file image read into memory of its own (its write-backs done first); with `write`, written
+        back whole afterwards, synchronously."""
+        self.staging.flush()
+        file, layout = self.staging.files[bucket.index], self.staging.files.layouts[bucket.index]
+        image = torch.empty(layout.nbytes, dtype=torch.uint8)
+        file.read_range(image, 0, layout.nbytes)
+        yield layout.views(image)
+        if write:
+            file.write_range(image, 0, layout.nbytes)
+
+    def _mapped(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        """The bucket's file image mapped copy-on-write (read when read; written by nobody), its write-backs done."""
+        self.staging.flush()
+        file, layout = self.staging.files[bucket.index], self.staging.files.layouts[bucket.index]
+        out = {}
+        for spec, offset in zip(layout.specs, layout.offsets):
+            if spec.numel == 0:
+                out[spec.name] = torch.empty(0, dtype=spec.dtype)
+                continue
+            array = np.memmap(file.path, dtype=np.uint8, mode="c", offset=offset, shape=(spec.nbytes,))
+            out[spec.name] = torch.from_numpy(array).view(spec.dtype)
+        return out
+
+
+def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
+    return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
