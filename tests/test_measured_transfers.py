@@ -147,8 +147,9 @@ def test_buckets_whose_optimizer_state_is_on_the_device_cross_nothing():
 
 def test_when_the_measured_microbatches_do_not_fit_more_smaller_ones_are_planned():
     # 2 micro-batches of 8 rows measured on one device: 400 MB of activations a row, so a micro-batch of 8 rows
-    # needs more than the planner's share of 4 GiB; 4 of 4 rows fit ([Note: more micro-batches when the measured
-    # ones do not fit]). Before: the re-plan raised for every count up to 2 and kept the unplanned partition.
+    # needs more than the planner's share of 4 GiB; 4 of 4 rows fit. Before: the re-plan raised for every count
+    # up to 2 and kept the unplanned partition.
+    # (see [Note: more micro-batches when the measured ones do not fit])
     config = RoundPipeConfig(devices=["cpu"], plan="measured", gpu_memory_budget=4)
     gpus = [SimpleNamespace(total_memory_bytes=lambda: 4 * 2**30)]
     plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6))

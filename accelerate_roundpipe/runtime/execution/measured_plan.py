@@ -192,7 +192,7 @@ class MeasuredPlan:
             more = sorted(c for c in {*MICROBATCH_CHOICES, rows} if count < c <= rows)
             if not more:
                 raise
-            # [Note: more micro-batches when the measured ones do not fit]
+            # see [Note: more micro-batches when the measured ones do not fit] above
             plan = choose(more)
             logger.info("RoundPipe: the measured %d micro-batches do not fit the memory the optimizer state "
                         "leaves; %d do.", count, plan.num_microbatches)
