@@ -1,6 +1,7 @@
 """Optimizer copies are page-locked only where the placement keeps them on the host
 ([Note: optimizer copies locked after the placement]): exact steps upload them from there, while a bucket moved
-to its device never reads its host copy again. Locks are recorded by a stand-in for the CUDA runtime, so the test runs on CPU workers."""
+to its device never reads its host copy again. Locks are recorded by a stand-in for the CUDA runtime, so the test
+runs on CPU workers."""
 
 from __future__ import annotations
 
