@@ -31,7 +31,7 @@ from accelerate_roundpipe.runtime.disk import OffloadSettingError, folder_checks
 from accelerate_roundpipe.runtime.disk.swap_folder import PREFIX
 from accelerate_roundpipe.runtime.state.disk_tier import DiskTier, host_state_bytes, layout_of
 
-from toy_models import Block, Embed, Head, Merge, Split, run_layers
+from toy_models import Block, Embed, Head, Merge, Split, plain_adamw_training, run_layers
 
 GiB = 2**30
 NAMES = ("exp_avg", "exp_avg_sq")
@@ -67,34 +67,12 @@ def _batches(steps: int = STEPS) -> list[list[tuple]]:
     return [[_batch(10 * step + j) for j in range(ACCUMULATION)] for step in range(steps)]
 
 
-def plain_training(batches, max_norm: float | None = MAX_NORM, lagged: bool = False,
+def plain_training(batches, max_norm: float = MAX_NORM, lagged: bool = False,
                    fresh: frozenset[str] = frozenset()):
-    """Plain PyTorch AdamW on `wide_model()`: each step's passes accumulated, clipped to `max_norm`. Lagged: every
-    pass of the iteration after step k-1 computes with the weights from before that step, except the parameters in
-    `fresh` (device buckets step exactly: [Note: device steps are exact]), as test_optimizer_placement's reference."""
-    model = wide_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    previous = {name: p.detach().clone() for name, p in model.named_parameters()}
-    norms, weights = [], []
-    for passes in batches:
-        current = {name: p.detach().clone() for name, p in model.named_parameters()}
-        grads: dict[str, torch.Tensor] = {}
-        for x, mask, y in passes:
-            probe = wide_model()
-            with torch.no_grad():
-                for name, p in probe.named_parameters():
-                    p.copy_(previous[name] if lagged and name not in fresh else current[name])
-            nn.functional.cross_entropy(run_layers(probe, (x, mask)), y).backward()
-            for name, p in probe.named_parameters():
-                grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
-        for name, p in model.named_parameters():
-            p.grad = grads[name]
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
-        previous = current
-        weights.append({name: p.detach().clone() for name, p in model.named_parameters()})
-    return norms, weights
+    """Plain PyTorch AdamW on `wide_model()` (`toy_models.plain_adamw_training`): each step's passes accumulated,
+    clipped to `max_norm`; lagged except the parameters in `fresh` (device buckets step exactly:
+    [Note: device steps are exact]), as test_optimizer_placement's reference."""
+    return plain_adamw_training(wide_model, batches, max_norm, LR, WEIGHT_DECAY, lagged, fresh)
 
 
 def _train(engine, optimizer, batches, look_every_step: bool = True):

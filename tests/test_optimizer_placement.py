@@ -18,7 +18,7 @@ from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 
-from toy_models import batch, run_layers, tied_model
+from toy_models import batch, plain_adamw_training, run_layers, tied_model
 
 LR = 1e-2
 WEIGHT_DECAY = 0.1
@@ -94,35 +94,9 @@ def _expected_fresh(placement: str) -> set[str]:
 
 
 def plain_training(batches, lagged: bool = False, fresh: set[str] = frozenset()):
-    """Plain PyTorch AdamW on the tied model: the accumulated gradients of each step's passes, clipped to MAX_NORM.
-    Exact: every pass computes with the newest weights. Lagged: the parameters in `fresh` (device buckets) too; the
-    others, in every pass of the iteration after step k-1, with the weights from before that step (after k-2
-    steps; the initial ones at first): the held write-back lands at the next step, once all the iteration's passes
-    reserved their reads ([Note: write-backs held for the whole iteration])."""
-    model = tied_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    previous = _snapshot(model)
-    norms, weights = [], []
-    for passes in batches:
-        current = _snapshot(model)
-        grads: dict[str, torch.Tensor] = {}
-        for x, mask, y in passes:
-            probe = tied_model()
-            with torch.no_grad():
-                for name, p in probe.named_parameters():
-                    stale = lagged and name not in fresh
-                    p.copy_(previous[name] if stale else current[name])
-            nn.functional.cross_entropy(run_layers(probe, (x, mask)), y).backward()
-            for name, p in probe.named_parameters():
-                grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
-        for name, p in model.named_parameters():
-            p.grad = grads[name]
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        previous = current
-        weights.append(_snapshot(model))
-    return norms, weights
+    """Plain PyTorch AdamW on the tied model, clipped to MAX_NORM (`toy_models.plain_adamw_training`: exact, or
+    lagged except the parameters in `fresh`, the device buckets')."""
+    return plain_adamw_training(tied_model, batches, MAX_NORM, LR, WEIGHT_DECAY, lagged, fresh)
 
 
 def _build(config: RoundPipeConfig):

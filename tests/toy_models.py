@@ -142,3 +142,39 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
     scale = expected.abs().max().clamp_min(1e-30)
     err = (actual.to(expected.dtype) - expected).abs().max()
     assert err <= rtol * scale, f"{what}: max error {err:.3e} > {rtol:.0e} x {scale:.3e}"
+
+
+def plain_adamw_training(make_model, batches, max_norm: float, lr: float, weight_decay: float,
+                         lagged: bool = False, fresh=frozenset()):
+    """Plain PyTorch AdamW on `make_model()`: the accumulated gradients of each step's passes, clipped to
+    `max_norm`; (the norms, the weights after each step). Exact: every pass computes with the newest weights.
+    Lagged: the parameters in `fresh` (device buckets step exactly) too; the others, in every pass of the iteration
+    after step k-1, with the weights from before that step (the held write-back lands at the next step, once all
+    the iteration's passes reserved their reads)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    previous = snapshot()
+    norms, weights = [], []
+    for passes in batches:
+        current = snapshot()
+        grads: dict[str, torch.Tensor] = {}
+        for x, mask, y in passes:
+            probe = make_model()
+            with torch.no_grad():
+                for name, p in probe.named_parameters():
+                    p.copy_(previous[name] if lagged and name not in fresh else current[name])
+            nn.functional.cross_entropy(run_layers(probe, (x, mask)), y).backward()
+            for name, p in probe.named_parameters():
+                grads[name] = grads[name] + p.grad if name in grads else p.grad.clone()
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        previous = current
+        weights.append(snapshot())
+    return norms, weights
