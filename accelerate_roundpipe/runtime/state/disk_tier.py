@@ -213,15 +213,7 @@ class DiskTier(StateTier):
 
     @contextlib.contextmanager
     def showing_state(self, bucket: Bucket, state: dict) -> Iterator[None]:
-        image = self._mapped(bucket)
-        shown = []
-        for slot in bucket.slots:
-            stored = self._stored.get(id(slot.optim), ())
-            if stored:
-                entry = state.setdefault(slot.optim, {})
-                for name in stored:
-                    entry[name] = _slot_view(image[name], slot)
-                shown.append((slot.optim, entry, stored))
+        shown = self._point_entries(bucket, self._mapped(bucket), state)
         try:
             yield
         finally:
@@ -253,12 +245,20 @@ class DiskTier(StateTier):
     def _bind(self, bucket: Bucket, views: dict[str, torch.Tensor], state: dict) -> None:
         """Point the bucket's optimizer copy and its parameters' stored state entries at `views`."""
         bucket.point_optim(views[OPTIM])
+        self._point_entries(bucket, views, state)
+
+    def _point_entries(self, bucket: Bucket, views: dict[str, torch.Tensor], state: dict) -> list[tuple]:
+        """Point the state entries the files hold of `bucket`'s parameters at `views`; (parameter, its entry, the
+        names pointed) for each parameter that has some."""
+        pointed = []
         for slot in bucket.slots:
             stored = self._stored.get(id(slot.optim), ())
             if stored:
                 entry = state.setdefault(slot.optim, {})
                 for name in stored:
                     entry[name] = _slot_view(views[name], slot)
+                pointed.append((slot.optim, entry, stored))
+        return pointed
 
     def _take_entries(self, bucket: Bucket, views: dict[str, torch.Tensor], state: dict) -> None:
         """Take the parameters' state entries of a parameter's size out of `state` into `views` (copied when the
