@@ -12,7 +12,7 @@ import torch
 
 from accelerate_roundpipe.runtime.devices import pinned
 from accelerate_roundpipe.runtime.state.host_store import HostStore
-from accelerate_roundpipe.runtime.state.placement import place_optimizer_state
+from accelerate_roundpipe.runtime.state.placement import lock_host_optimizer_copies, place_optimizer_state
 
 from toy_models import tied_model
 
@@ -50,7 +50,9 @@ def _store() -> HostStore:
 def _placed(store: HostStore, setting: str, budget_gib: float | None = None):
     devices = [SimpleNamespace(device=torch.device("cpu"), is_cuda=False)]
     optimizer = torch.optim.AdamW([s.optim for b in store.trainable_buckets for s in b.slots])
-    return place_optimizer_state(setting, budget_gib, devices, store, optimizer, False, None)
+    placement = place_optimizer_state(setting, budget_gib, devices, store, optimizer, False, None)
+    lock_host_optimizer_copies(store)  # as the measured plan does after the device and disk placements
+    return placement
 
 
 def test_the_build_locks_compute_copies_and_leaves_optimizer_copies_unlocked(locks):

@@ -37,7 +37,12 @@ from ...telemetry.summary import announce, transfers_line
 from ..common.sync import FailureFlag
 from ..devices.device import Device
 from ..state.host_store import HostStore
-from ..state.placement import OptimizerPlacement, place_optimizer_state, place_past_host_budget
+from ..state.placement import (
+    OptimizerPlacement,
+    lock_host_optimizer_copies,
+    place_optimizer_state,
+    place_past_host_budget,
+)
 from .layer_profile import LayerProfile
 
 logger = logging.getLogger(__name__)
@@ -85,6 +90,7 @@ class MeasuredPlan:
         placement = place_past_host_budget(placement, self.store, optimizer, data_parallel,
                                            config.host_memory_budget, config.resolved_offload_dir,
                                            config.resolved_wait_timeout_s)  # [Note: disk tier]
+        lock_host_optimizer_copies(self.store)
         if self.budget_bytes is not None and placement.device_buckets:
             self.budget_bytes -= placement.most_on_one_device()
             if not self.enabled:

@@ -40,7 +40,7 @@ from ..disk import DiskBandwidth, OffloadSettingError, available_memory_bytes, d
 from ..disk import remove_leftovers as remove_swap_leftovers
 from .bucket import Bucket
 from .disk_tier import DiskPlan, DiskTier, host_state_bytes, plan_disk, state_names
-from .tiers import DeviceTier, StateTier, device_bytes_of
+from .tiers import HOST, DeviceTier, StateTier, device_bytes_of
 
 logger = logging.getLogger(__name__)
 GiB = 2**30
@@ -274,9 +274,7 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
     placement = plan_placement(setting, store.trainable_buckets, homes, budget, state_copies(optimizer), host_reason)
     tiers: dict[str, DeviceTier] = {}  # one per home device ([Note: state tiers])
     for place in placement.places:
-        if place.home is None:  # its optimizer copy stays on the host, uploaded by exact steps
-            store.lock_optimizer_copy(store.buckets[place.bucket])
-        else:
+        if place.home is not None:
             bucket = store.buckets[place.bucket]
             old_optim, old_grad = bucket.optim, bucket.grad
             move_home(bucket, tiers.setdefault(place.home, DeviceTier(torch.device(place.home))))
@@ -284,6 +282,15 @@ def place_optimizer_state(setting: str, budget_gib: float | None, devices: list,
             if old_grad is not None:  # gradients held before the placement ([Note: no spare gradient buffer])
                 store.grad_pool.give(old_grad)
     return dataclasses.replace(placement, tiers=tuple(tiers.values()))
+
+
+def lock_host_optimizer_copies(store) -> None:
+    """After the placements (device, then disk): page-lock the optimizer copies of the buckets that stayed on the
+    host, which exact steps upload ([Note: optimizer copies locked after the placement]). Locked before the disk's
+    placement, the copies of buckets moved to disk were locked and unlocked again for nothing."""
+    for bucket in store.trainable_buckets:
+        if bucket.tier is HOST:
+            store.lock_optimizer_copy(bucket)
 
 
 def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torch.optim.Optimizer,
