@@ -24,7 +24,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from . import require_attribute, require_mention
+from . import peft_experts, require_attribute, require_mention
 
 LIBRARY = "peft"
 LAYER_MODULE = "peft.tuners.lora.layer"
@@ -132,4 +132,18 @@ def make_param_wrappers_stateless(layer_copy: nn.Module) -> int:
                 f"parameters into its layer copies. Put LoRA on plain parameters, or remove the parametrization "
                 f"before wrapping the model.")
         wrapper.forward = MethodType(_stateless_forward, wrapper)
+    for outer, experts in peft_experts.expert_chains(layer_copy, param_wrapper_class()):
+        outer.forward = MethodType(_factored_forward(experts), outer)
     return len(wrappers)
+
+
+def _factored_forward(experts: nn.Module):
+    """The forward of the outermost wrapper over `experts` (in the same copy): [Note: factored LoRA on experts]
+    where it applies, else the wrapper's stateless forward."""
+    def forward(self, *args, **kwargs):
+        if peft_experts.enabled and not kwargs and len(args) == 3:
+            factors = peft_experts.chain_factors(self, experts)
+            if factors is not None:
+                return peft_experts.factored_experts_forward(experts, factors, *args)
+        return _stateless_forward(self, *args, **kwargs)
+    return forward

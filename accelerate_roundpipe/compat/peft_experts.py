@@ -1,0 +1,172 @@
+"""LoRA on stacked MoE experts computed through its low-rank factors, on the engine's layer copies.
+Written against peft 0.21 and transformers 5.24 (torch 2.13). Caller: `peft_internals.make_param_wrappers_stateless`.
+
+[Note: factored LoRA on experts]
+PEFT puts LoRA on an experts module's fused 3-D weights (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) with one
+`ParamWrapper` per weight, and runs it by making the whole weight `W + s * lhs @ rhs` for every call (one `baddbmm`
+per weight, [Note: LoRA on parameters in layer copies]). For Qwen3-30B-A3B that is 1.2 GB of bf16 written and read
+per layer per micro-batch in the forward, again in the recomputation, and in the backward the gradient of that whole
+weight (as many FLOPs as the forward's expert products, over every expert) only to reduce it to the factors'
+gradients. None of it shrinks with the micro-batch, so small micro-batches pay it per row.
+
+Here the same function is computed the way LoRA on a linear layer is: for the rows routed to expert e,
+`x @ W_e' = x @ W_e + s * (x @ P_e) @ Q_e` (P, Q the factors in the product's orientation), with torch's grouped GEMM
+for all three products (`torch.nn.functional.grouped_mm`, the kernel transformers' "grouped_mm" experts run) and a
+per-expert loop where that kernel does not take the tensors (float64, CPU, unaligned shapes). No weight-sized tensor
+is made, the frozen weight gets no gradient, and the factors' gradients come from two thin products. The sums are
+the same up to rounding (float64 parity with plain PEFT: tests/models/test_lora_on_experts.py).
+
+It is used only where it computes exactly what PEFT would: the outermost `ParamWrapper` of a chain that ends at an
+experts module dispatching on `config._experts_implementation` (`hf_experts.py`), naming "grouped_mm" or "eager";
+every wrapper in the chain with one active adapter, not merged or disabled, on a stacked weight in a dtype PEFT does
+not upcast (PEFT's `_LoraFactorsProxy` case); the weights targeted are the experts' up/gate and down weights; the
+call is the three positional arguments every transformers MoE block passes; no expert parallelism. Anything else
+runs PEFT's own computation through [Note: LoRA on parameters in layer copies].
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from .hf_experts import GROUPED_MM_DTYPES, dispatching_experts, implementation_of
+
+FACTORED_IMPLEMENTATIONS = ("grouped_mm", "eager")
+# Off only to measure PEFT's own computation beside this one (benchmarks/moe_experts.py); read at each call.
+enabled = True
+_PEFT_LAYER = "peft.tuners.lora.layer"
+
+
+def _weight_names(experts: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if experts.has_gate else "up_proj"), "down_proj"
+
+
+def expert_chains(layer_copy: nn.Module, wrapper_class: type) -> list[tuple[nn.Module, nn.Module]]:
+    """(outermost `ParamWrapper`, experts module) for every chain of wrappers in `layer_copy` that ends at a
+    dispatching experts module."""
+    experts_ids = {id(m) for _, m in dispatching_experts(layer_copy)}
+    if not experts_ids:
+        return []
+    inner_ids = {id(m.base_layer) for m in layer_copy.modules() if isinstance(m, wrapper_class)}
+    chains = []
+    for module in layer_copy.modules():
+        if not isinstance(module, wrapper_class) or id(module) in inner_ids:
+            continue
+        base = module
+        while isinstance(base, wrapper_class):
+            base = base.base_layer
+        if id(base) in experts_ids:
+            chains.append((module, base))
+    return chains
+
+
+def chain_factors(outer: nn.Module, experts: nn.Module) -> dict[str, tuple] | None:
+    """{weight name: (lhs, rhs, scaling)} with `W + scaling * lhs @ rhs` the weight PEFT makes of each weight the
+    chain from `outer` wraps, or None where [Note: factored LoRA on experts] does not apply."""
+    if implementation_of(experts) not in FACTORED_IMPLEMENTATIONS or getattr(experts, "_is_expert_parallel", False):
+        return None
+    if getattr(experts, "has_post_expert_norm", False) and not hasattr(experts, "post_expert_norm"):
+        return None
+    upcast = getattr(sys.modules.get(_PEFT_LAYER), "UPCAST_DTYPES", None)
+    if upcast is None:
+        return None
+    allowed = set(_weight_names(experts))
+    factors: dict[str, tuple] = {}
+    wrapper = outer
+    while wrapper is not experts:
+        if wrapper.disable_adapters or wrapper.merged or not hasattr(wrapper, "get_delta_factors"):
+            return None
+        adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+        name = wrapper.parameter_name
+        if name not in allowed or name in factors or wrapper.num_experts <= 1:
+            return None
+        param = experts._parameters.get(name)
+        if param is None or param.ndim != 3 or any(getattr(torch, d, None) == param.dtype for d in upcast):
+            return None
+        if len(adapters) > 1:
+            return None
+        if adapters:
+            factors[name] = wrapper.get_delta_factors(adapters[0])
+        wrapper = wrapper.base_layer
+    return factors
+
+
+def _kernel_takes(matrix: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes `matrix` (2-D rows or a 3-D stack) as it is: CUDA, a dtype it has,
+    16-byte aligned, one of the last two dimensions contiguous and the other's stride 16-byte aligned."""
+    if matrix.device.type != "cuda" or matrix.dtype not in GROUPED_MM_DTYPES:
+        return False
+    size = matrix.element_size()
+    if matrix.data_ptr() % 16:
+        return False
+    rows, cols = matrix.stride(-2), matrix.stride(-1)
+    return (cols == 1 and rows * size % 16 == 0) or (rows == 1 and cols * size % 16 == 0)
+
+
+class _Groups:
+    """The rows of one call sorted by expert, and the products over them."""
+
+    def __init__(self, counts: torch.Tensor, kernel: bool) -> None:
+        self.kernel = kernel
+        self.offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        self.spans = None  # (start, end) of each expert's rows, read from the device only where the loop needs them
+
+    def product(self, rows: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
+        """rows [S, a] (grouped by expert) @ stack [E, a, b], expert by expert -> [S, b]."""
+        stack = stack.to(rows.dtype)
+        if self.kernel:
+            if not _kernel_takes(stack):
+                stack = stack.contiguous()
+            if _kernel_takes(rows) and _kernel_takes(stack):
+                return torch.nn.functional.grouped_mm(rows, stack, offs=self.offsets)
+        pieces = [rows[start:end] @ stack[e] for e, (start, end) in enumerate(self._spans()) if end > start]
+        return torch.cat(pieces) if pieces else rows.new_zeros(0, stack.size(-1))
+
+    def _spans(self):
+        if self.spans is None:
+            ends = self.offsets.tolist()
+            self.spans = list(zip([0, *ends[:-1]], ends))
+        return self.spans
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, transposed: bool, factors: tuple | None):
+        """rows @ W_e' for each expert's rows, W' = W + s * lhs @ rhs as PEFT makes it, W stored [E, in, out] when
+        `transposed`, else [E, out, in]."""
+        out = self.product(rows, weight if transposed else weight.transpose(-2, -1))
+        if factors is None:
+            return out
+        lhs, rhs, scaling = factors
+        # transposed: x @ (W + s lhs rhs) = x W + s (x lhs) rhs; else x @ (W + s lhs rhs)^T = x W^T + s (x rhs^T) lhs^T
+        first, second = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+        thin = self.product(rows, first) * scaling
+        return out + self.product(thin, second)
+
+
+def factored_experts_forward(experts: nn.Module, factors: dict[str, tuple], hidden: torch.Tensor,
+                             top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward of [Note: factored LoRA on experts]: each (token, chosen expert) pair through that
+    expert's up/gate and down weights with their LoRA, weighted by its routing weight, summed over a token's
+    experts in a fixed order."""
+    num_tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1]
+    gate_name, down_name = _weight_names(experts)
+    gate_weight, down_weight = getattr(experts, gate_name), getattr(experts, down_name)
+    kernel = (implementation_of(experts) == "grouped_mm" and hidden.device.type == "cuda"
+              and gate_weight.dtype in GROUPED_MM_DTYPES)
+    expert_of_pair = top_k_index.reshape(-1)
+    sorted_experts, order = torch.sort(expert_of_pair, stable=True)
+    groups = _Groups(torch.bincount(expert_of_pair, minlength=experts.num_experts), kernel)
+    rows = hidden[order // top_k].to(gate_weight.dtype)
+
+    up = groups.linear(rows, gate_weight, experts.is_transposed, factors.get(gate_name))
+    if experts.has_bias:
+        up = up + getattr(experts, gate_name + "_bias")[sorted_experts]
+    up = experts._apply_gate(up) if experts.has_gate else experts.act_fn(up)
+    down = groups.linear(up, down_weight, experts.is_transposed, factors.get(down_name))
+    if experts.has_bias:
+        down = down + getattr(experts, down_name + "_bias")[sorted_experts]
+    if experts.has_post_expert_norm:
+        down = experts.post_expert_norm(down)
+    weighted = down * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
+    unsorted = weighted[torch.argsort(order)]
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
