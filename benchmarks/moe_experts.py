@@ -11,7 +11,9 @@ and 4 key/value heads of 128) but 4 decoder layers and a 32,000-token vocabulary
 - `peft-in-gpu`: plain PEFT, LoRA r16 on q, k, v, o, gate, up, down (which reach the experts), in GPU memory, with
   the default implementation: the in-GPU reference of the next part;
 - `engine`: the same LoRA model on RoundPipe (`wrap_model`, devices ["cuda:0"], the exact step, fused AdamW),
-  each implementation in turn on one engine, chosen as a user would (`model.set_experts_implementation`).
+  each implementation in turn on one engine, chosen as a user would (`model.set_experts_implementation`), with the
+  experts' LoRA computed through its factors ([Note: factored LoRA on experts]); `engine-peft-merged`: the same
+  engine with grouped_mm and PEFT's own computation (the merged weight per call), beside it.
 
 Every variant sees the same weights and batch (the learning rate is 0 unless `--lr` says otherwise), so the losses
 compare across implementations (bf16 rounding only). One `RESULT {...}` line per variant: tokens/s, seconds per
@@ -246,9 +248,17 @@ class Bench:
                 engine.synchronize()
                 return iter_s, losses
 
+            from accelerate_roundpipe.compat import peft_experts
+
             for name in implementations:
                 set_implementation(model, name)
-                self.record("engine", name, measure)
+                self.record("engine", name, measure)  # the factored LoRA on the experts where it applies
+                if name == "grouped_mm":  # and PEFT's own: the whole merged weight per call
+                    peft_experts.enabled = False
+                    try:
+                        self.record("engine-peft-merged", name, measure)
+                    finally:
+                        peft_experts.enabled = True
         finally:
             try:
                 engine.close()
@@ -267,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--liger", action="store_true", help="also Liger-Kernel's fused experts in plain HF")
     parser.add_argument("--budget-s", type=float, default=140.0, help="no variant starts after this many seconds")
     parser.add_argument("--min-left-s", type=float, default=12.0, help="a variant needs this much budget left")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        help="the experts implementations the hf and engine parts run, comma-separated")
     parser.add_argument("--keep-going", action="store_true", help="record any variant's error, not only OOM")
     parser.add_argument("--out", default=None, help="append the records to this JSON-lines file")
     args = parser.parse_args(argv)
@@ -290,13 +302,14 @@ def run(bench: Bench, args, shape: dict, device: str, dtype: torch.dtype) -> Non
     from peft import LoraConfig, get_peft_model
 
     model = build_model(shape, args.seq, device, dtype)
-    bench.hf(model, IMPLEMENTATIONS)
+    implementations = tuple(args.implementations.split(","))
+    bench.hf(model, implementations)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                              task_type="CAUSAL_LM")).to(dtype)
     bench.peft_in_gpu(model)
     model = model.to("cpu")
     reset_peak(device)
-    bench.engine(model, IMPLEMENTATIONS)
+    bench.engine(model, implementations)
     if args.liger:  # last: its autotuning would keep everything else from running in the budget
         del model  # grouped_mm again beside it: the engine applied Liger's RoPE to the family, process-wide
         bench.hf(build_model(shape, args.seq, device, dtype), ("grouped_mm", "liger"), part="hf-liger-pair")
