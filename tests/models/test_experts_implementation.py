@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
+from accelerate_roundpipe.compat import peft_experts
+from accelerate_roundpipe.compat.hf_experts import implementation_of
 from accelerate_roundpipe.models import layers as layers_module
 
 from split_helpers import assert_close, build_model, make_batch, reference_loss
@@ -35,7 +37,9 @@ NUM_MB = 2
 @pytest.fixture
 def dispatched(monkeypatch) -> collections.Counter:
     """How many experts calls ran each implementation, counted at transformers' dispatch (every
-    `@use_experts_implementation` forward asks `ALL_EXPERTS_FUNCTIONS.get_interface` for its function)."""
+    `@use_experts_implementation` forward asks `ALL_EXPERTS_FUNCTIONS.get_interface` for its function) and, for
+    LoRA on the experts, at the factored forward that takes its place ([Note: factored LoRA on experts]: it runs
+    grouped_mm's kernel or eager's loop by the same name)."""
     counts: collections.Counter = collections.Counter()
     interface = moe.ALL_EXPERTS_FUNCTIONS
     original = type(interface).get_interface.__get__(interface)
@@ -44,7 +48,14 @@ def dispatched(monkeypatch) -> collections.Counter:
         counts[name] += 1
         return original(name, default)
 
+    factored = peft_experts.factored_experts_forward
+
+    def counted_factored(experts, *args):
+        counts[implementation_of(experts)] += 1
+        return factored(experts, *args)
+
     monkeypatch.setattr(interface, "get_interface", counted, raising=False)
+    monkeypatch.setattr(peft_experts, "factored_experts_forward", counted_factored)
     return counts
 
 
