@@ -165,7 +165,7 @@ def factored_experts_forward(experts: nn.Module, factors: dict[str, tuple], hidd
     down = groups.linear(up, down_weight, experts.is_transposed, factors.get(down_name))
     if experts.has_bias:
         down = down + getattr(experts, down_name + "_bias")[sorted_experts]
-    if experts.has_post_expert_norm:
+    if getattr(experts, "has_post_expert_norm", False):  # transformers < 5.24 has no such attribute
         down = experts.post_expert_norm(down)
     weighted = down * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(down.dtype)
     unsorted = weighted[torch.argsort(order)]
