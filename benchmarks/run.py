@@ -167,6 +167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
     parser.add_argument("--disk-probe", action="store_true", help="record the disk's sequential bandwidth under "
                         "offload_dir in the record's settings (the engine's start probe when it had a disk tier)")
+    parser.add_argument("--peft-merged-experts", action="store_true", help="LoRA on MoE experts computed PEFT's "
+                        "way (the merged weight per call) instead of through its factors ([Note: factored LoRA on "
+                        "experts]), to measure the two beside each other")
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
@@ -232,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
                 extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w.global_batch),
                                      kernels=args.kernels, recompute=args.recompute, **extra, **args.roundpipe)
+            if args.peft_merged_experts:
+                from accelerate_roundpipe.compat import peft_experts
+
+                peft_experts.enabled = False
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
                              args.max_grad_norm, args.disk_probe)

@@ -7,7 +7,7 @@
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts,
-# moe-cap24, moe-cap24-b32, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
+# moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload).
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
@@ -25,7 +25,7 @@ WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long l
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup"
 WORKLOADS+=" moe-experts"
-WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
+WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
 CALL_S=${BENCH_CALL_S:-585}
 
@@ -222,6 +222,9 @@ run_ours() {
     # (the first pass's default, 2 per device, would be 2 of 16 rows: out of memory before anything is measured)
     step 240 python3 benchmarks/run.py --out "$OUT/ours.jsonl" --workload qwen3-30b-a3b-lora-s4096-b32-cap24 \
       --system roundpipe-engine --nms 8 --warm 1 --iters 3 ;;
+  moe-cap24-merged)  # the same as moe-cap24 with PEFT's own computation of the experts' LoRA (the merged weight per
+    # call) in place of the factored one ([Note: factored LoRA on experts]), for the two side by side
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --peft-merged-experts ;;
   moe-cap24-host)  # the same at b8 with every bucket's optimizer state on the host (auto puts 12 GiB on the card)
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 \
       --roundpipe optimizer_placement=host ;;
