@@ -69,9 +69,23 @@ class Dispatches:
             return original(name, default)
 
         self.interface.get_interface = counted
+        # LoRA on the experts through its factors bypasses that dispatch; counted by the implementation it runs
+        from accelerate_roundpipe.compat import peft_experts
+        from accelerate_roundpipe.compat.hf_experts import implementation_of
+
+        self.factored = peft_experts.factored_experts_forward
+
+        def counted_factored(experts, *args):
+            self.counts[implementation_of(experts)] += 1
+            return self.factored(experts, *args)
+
+        peft_experts.factored_experts_forward = counted_factored
 
     def close(self) -> None:
+        from accelerate_roundpipe.compat import peft_experts
+
         self.interface.__dict__.pop("get_interface", None)
+        peft_experts.factored_experts_forward = self.factored
 
     def take(self) -> dict:
         counts, self.counts = dict(self.counts), collections.Counter()

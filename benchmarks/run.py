@@ -168,8 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disk-probe", action="store_true", help="record the disk's sequential bandwidth under "
                         "offload_dir in the record's settings (the engine's start probe when it had a disk tier)")
     parser.add_argument("--peft-merged-experts", action="store_true", help="LoRA on MoE experts computed PEFT's "
-                        "way (the merged weight per call) instead of through its factors ([Note: factored LoRA on "
-                        "experts]), to measure the two beside each other")
+                        "way (the merged weight per call) instead of through its factors "
+                        "([Note: factored LoRA on experts]), to measure the two beside each other")
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")

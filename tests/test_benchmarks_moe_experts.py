@@ -23,12 +23,12 @@ def test_the_tiny_run_records_every_part_and_implementation(tmp_path, monkeypatc
     parts = [(r["part"], r["experts_implementation"]) for r in records]
     implementations = list(moe_experts.IMPLEMENTATIONS)
     assert parts == [("hf", n) for n in implementations] + [("peft-in-gpu", "grouped_mm")] + \
-        [("engine", n) for n in implementations]
+        [("engine", "grouped_mm"), ("engine-peft-merged", "grouped_mm")] + [("engine", n) for n in implementations]
     layers, steps = moe_experts.TINY["num_hidden_layers"], 2
     for record in records:
         assert record["tokens_per_s"] > 0 and len(record["losses"]) == steps
         # plain HF: one call a layer and step; the engine: micro-batches x (forward, recomputation)
-        per_step = layers * (2 * 2 if record["part"] == "engine" else 1)
+        per_step = layers * (2 * 2 if record["part"].startswith("engine") else 1)
         assert record["ran"] == {record["experts_implementation"]: per_step * steps}, record
     losses = {round(loss, 4) for r in records for loss in r["losses"]}
     assert len(losses) == 1, losses
