@@ -1,5 +1,6 @@
 """LoRA on stacked MoE experts computed through its low-rank factors, on the engine's layer copies.
-Written against peft 0.21 and transformers 5.24 (torch 2.13). Caller: `peft_internals.make_param_wrappers_stateless`.
+Written against transformers 5.24 (torch 2.13). Caller: `peft_internals.make_param_wrappers_stateless`, which
+reads PEFT's factors (`chain_factors`, beside PEFT's own choice between its proxies) and passes them here.
 
 [Note: factored LoRA on experts]
 PEFT puts LoRA on an experts module's fused 3-D weights (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) with one
@@ -26,8 +27,6 @@ runs PEFT's own computation through [Note: LoRA on parameters in layer copies].
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -36,10 +35,10 @@ from .hf_experts import GROUPED_MM_DTYPES, dispatching_experts, implementation_o
 FACTORED_IMPLEMENTATIONS = ("grouped_mm", "eager")
 # Off only to measure PEFT's own computation beside this one (benchmarks/moe_experts.py); read at each call.
 enabled = True
-_PEFT_LAYER = "peft.tuners.lora.layer"
 
 
-def _weight_names(experts: nn.Module) -> tuple[str, str]:
+def weight_names(experts: nn.Module) -> tuple[str, str]:
+    """The experts' up (or fused gate and up) weight and down weight, by name."""
     return ("gate_up_proj" if experts.has_gate else "up_proj"), "down_proj"
 
 
@@ -62,35 +61,11 @@ def expert_chains(layer_copy: nn.Module, wrapper_class: type) -> list[tuple[nn.M
     return chains
 
 
-def chain_factors(outer: nn.Module, experts: nn.Module) -> dict[str, tuple] | None:
-    """{weight name: (lhs, rhs, scaling)} with `W + scaling * lhs @ rhs` the weight PEFT makes of each weight the
-    chain from `outer` wraps, or None where [Note: factored LoRA on experts] does not apply."""
-    if implementation_of(experts) not in FACTORED_IMPLEMENTATIONS or getattr(experts, "_is_expert_parallel", False):
-        return None
-    if getattr(experts, "has_post_expert_norm", False) and not hasattr(experts, "post_expert_norm"):
-        return None
-    upcast = getattr(sys.modules.get(_PEFT_LAYER), "UPCAST_DTYPES", None)
-    if upcast is None:
-        return None
-    allowed = set(_weight_names(experts))
-    factors: dict[str, tuple] = {}
-    wrapper = outer
-    while wrapper is not experts:
-        if wrapper.disable_adapters or wrapper.merged or not hasattr(wrapper, "get_delta_factors"):
-            return None
-        adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-        name = wrapper.parameter_name
-        if name not in allowed or name in factors or wrapper.num_experts <= 1:
-            return None
-        param = experts._parameters.get(name)
-        if param is None or param.ndim != 3 or any(getattr(torch, d, None) == param.dtype for d in upcast):
-            return None
-        if len(adapters) > 1:
-            return None
-        if adapters:
-            factors[name] = wrapper.get_delta_factors(adapters[0])
-        wrapper = wrapper.base_layer
-    return factors
+def runs_factored(experts: nn.Module) -> bool:
+    """Whether `experts` (a dispatching module) runs an implementation this forward stands in for, unsharded."""
+    return (implementation_of(experts) in FACTORED_IMPLEMENTATIONS
+            and not getattr(experts, "_is_expert_parallel", False)
+            and not (getattr(experts, "has_post_expert_norm", False) and not hasattr(experts, "post_expert_norm")))
 
 
 def _kernel_takes(matrix: torch.Tensor) -> bool:
@@ -149,7 +124,7 @@ def factored_experts_forward(experts: nn.Module, factors: dict[str, tuple], hidd
     expert's up/gate and down weights with their LoRA, weighted by its routing weight, summed over a token's
     experts in a fixed order."""
     num_tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1]
-    gate_name, down_name = _weight_names(experts)
+    gate_name, down_name = weight_names(experts)
     gate_weight, down_weight = getattr(experts, gate_name), getattr(experts, down_name)
     kernel = (implementation_of(experts) == "grouped_mm" and hidden.device.type == "cuda"
               and gate_weight.dtype in GROUPED_MM_DTYPES)

@@ -64,22 +64,61 @@ def check_param_wrapper() -> None:
         require_mention(wrapper._activate_lora, name, LIBRARY, REACH)
 
 
+def _active_adapters(wrapper: nn.Module) -> list[str]:
+    return [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+
+
+def folded_factors(wrapper: nn.Module, param: torch.Tensor) -> tuple | None:
+    """(lhs, rhs, scaling) where `ParamWrapper._activate_lora` (peft 0.21) folds one adapter's factors into `param`
+    (`_LoraFactorsProxy`: one active adapter on stacked experts in a dtype it does not upcast), else None."""
+    layer = sys.modules[LAYER_MODULE]
+    adapters = _active_adapters(wrapper)
+    low_precision = any(getattr(torch, name, None) == param.dtype for name in layer.UPCAST_DTYPES)
+    if len(adapters) == 1 and wrapper.num_experts > 1 and not low_precision:
+        return wrapper.get_delta_factors(adapters[0])
+    return None
+
+
 def lora_parameter(wrapper: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
     """The parameter `wrapper` (a `ParamWrapper`) makes of `param` for its forward, as `ParamWrapper._activate_lora`
     computes it (peft 0.21): one adapter on stacked experts folds its factors into `param` with one `baddbmm`
     (`_LoraFactorsProxy`); several adapters, one 2-D parameter or a low-precision dtype add the summed delta weights
     (`_LoraParameterProxy`). None when no active adapter is on it (the parameter is used as it is)."""
     layer = sys.modules[LAYER_MODULE]
-    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    adapters = _active_adapters(wrapper)
     if not adapters:
         return None
-    low_precision = any(getattr(torch, name, None) == param.dtype for name in layer.UPCAST_DTYPES)
-    if len(adapters) == 1 and wrapper.num_experts > 1 and not low_precision:
-        return layer._LoraFactorsProxy(*wrapper.get_delta_factors(adapters[0]))(param)
+    factors = folded_factors(wrapper, param)
+    if factors is not None:
+        return layer._LoraFactorsProxy(*factors)(param)
     delta = None
     for adapter in adapters:
         delta = wrapper.get_delta_weight(adapter) if delta is None else delta + wrapper.get_delta_weight(adapter)
     return layer._LoraParameterProxy(delta)(param)
+
+
+def chain_factors(outer: nn.Module, experts: nn.Module) -> dict[str, tuple] | None:
+    """{weight name: (lhs, rhs, scaling)}, `W + scaling * lhs @ rhs` being the weight PEFT makes of each weight the
+    chain of wrappers from `outer` down to `experts` adapts, or None where [Note: factored LoRA on experts] does not
+    apply (there PEFT's own computation runs). A wrapper with no active adapter leaves its weight as it is."""
+    if not peft_experts.runs_factored(experts):
+        return None
+    allowed = peft_experts.weight_names(experts)
+    factors: dict[str, tuple] = {}
+    wrapper = outer
+    while wrapper is not experts:
+        name = wrapper.parameter_name
+        param = experts._parameters.get(name)
+        if (wrapper.disable_adapters or wrapper.merged or name not in allowed or name in factors or param is None
+                or param.ndim != 3):
+            return None
+        if _active_adapters(wrapper):
+            folded = folded_factors(wrapper, param)
+            if folded is None:
+                return None
+            factors[name] = folded
+        wrapper = wrapper.base_layer
+    return factors
 
 
 def _stateless_forward(self, x, *args, **kwargs):
@@ -142,7 +181,7 @@ def _factored_forward(experts: nn.Module):
     where it applies, else the wrapper's stateless forward."""
     def forward(self, *args, **kwargs):
         if peft_experts.enabled and not kwargs and len(args) == 3:
-            factors = peft_experts.chain_factors(self, experts)
+            factors = chain_factors(self, experts)
             if factors is not None:
                 return peft_experts.factored_experts_forward(experts, factors, *args)
         return _stateless_forward(self, *args, **kwargs)

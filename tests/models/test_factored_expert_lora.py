@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_lora_on_experts import EXPERT_PARAMETERS, lora_on_experts, randomize_lora_b, tiny_moe, train_both
 
-from accelerate_roundpipe.compat import peft_experts
+from accelerate_roundpipe.compat import peft_experts, peft_internals
 from accelerate_roundpipe.compat.hf_experts import set_implementation
 
 peft = pytest.importorskip("peft")
@@ -46,7 +46,7 @@ def test_factored_forward_equals_peft_on_one_experts_module(model_type):
     experts = outer
     while isinstance(experts, peft.tuners.lora.layer.ParamWrapper):
         experts = experts.base_layer
-    factors = peft_experts.chain_factors(outer, experts)
+    factors = peft_internals.chain_factors(outer, experts)
     assert factors is not None and set(factors) == {"gate_up_proj", "down_proj"}
     hidden, index, weights = _route(model, tokens=24, seed=5)
     hidden_ref, weights_ref = hidden.detach().clone().requires_grad_(True), weights.detach().clone().requires_grad_()
@@ -120,12 +120,12 @@ def test_two_active_adapters_run_peft_s_own_computation(monkeypatch):
 def test_other_implementations_are_left_to_peft():
     model, outer = _experts_with_lora("qwen3_moe")
     experts = outer.base_layer.base_layer
-    assert peft_experts.chain_factors(outer, experts) is not None
+    assert peft_internals.chain_factors(outer, experts) is not None
     set_implementation(experts, "batched_mm")
-    assert peft_experts.chain_factors(outer, experts) is None
+    assert peft_internals.chain_factors(outer, experts) is None
     set_implementation(experts, "eager")
     outer.enable_adapters(False)  # PEFT's switch, read by the chain
-    assert peft_experts.chain_factors(outer, experts) is None
+    assert peft_internals.chain_factors(outer, experts) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's grouped GEMM)")
@@ -134,7 +134,7 @@ def test_factored_forward_on_the_grouped_gemm_matches_peft_in_float32():
     model = model.to("cuda", torch.float32)
     experts = outer.base_layer.base_layer
     set_implementation(experts, "grouped_mm")
-    factors = peft_experts.chain_factors(outer, experts)
+    factors = peft_internals.chain_factors(outer, experts)
     hidden, index, weights = _route(model, tokens=64, seed=9)
     hidden, index, weights = (t.detach().to("cuda") for t in (hidden, index, weights))
     hidden, weights = hidden.float().requires_grad_(), weights.float()
