@@ -35,9 +35,11 @@ from .optimizer import optimizer_copy_map
 STEP_TAG = "roundpipe_step_index"
 
 
-def gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]) -> tuple[list, list[RoundPipe]]:
-    """The tensors whose `.grad` holds the gradients of `parameters`, and the engines involved."""
-    maps = [(engine, optimizer_copy_map(engine)) for engine in engines]
+def gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe],
+                     maps: list[tuple[RoundPipe, dict]] | None = None) -> tuple[list, list[RoundPipe]]:
+    """The tensors whose `.grad` holds the gradients of `parameters`, and the engines involved; `maps`: each
+    engine's `optimizer_copy_map`, when the caller has them already."""
+    maps = [(engine, optimizer_copy_map(engine)) for engine in engines] if maps is None else maps
     holders, involved = [], []
     for p in parameters:
         for engine, mapping in maps:
@@ -71,11 +73,15 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe],
 def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundPipe]) -> RoundPipeOptimizer | None:
     """The optimizer of the one engine whose trainable parameters `parameters` covers, all of them and
     nothing else that could hold a gradient; None when the clip must go the synchronous way."""
-    holders, involved = gradient_holders(parameters, engines)
+    maps = [(engine, optimizer_copy_map(engine)) for engine in engines]
+    holders, involved = gradient_holders(parameters, engines, maps)
     if len(involved) != 1 or involved[0].optimizer is None:
         return None
     engine = involved[0]
-    trainable = {id(p) for _, p in engine.named_parameters() if p.requires_grad}
+    # The map's values are what `engine.named_parameters()` yields: read from it, not from another walk of the
+    # model's modules (this runs at every step of the Trainer; requires_grad is read now, as it may change).
+    mapping = next(mapping for each, mapping in maps if each is engine)
+    trainable = {id(p) for p in mapping.values() if p.requires_grad}
     given = {id(h) for h in holders if h.requires_grad}
     return engine.optimizer if given == trainable else None
 

@@ -32,7 +32,7 @@ def optimizer_copy_map(engine: RoundPipe) -> dict[int, nn.Parameter]:
     map to themselves (they have no optimizer copy).
     """
     mapping = {}
-    for (_, user_param), (_, optim_param) in zip(engine.module.named_parameters(), engine.named_parameters()):
+    for user_param, optim_param in engine.parameter_copies():
         mapping[id(user_param)] = optim_param
         mapping[id(optim_param)] = optim_param
     return mapping

@@ -105,10 +105,21 @@ class RoundPipe(HostResidentModule):
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The optimizer copies (host, `optimizer_dtype`) of trainable parameters and the compute copies of frozen
         ones, named as in the wrapped module."""
+        for name, _, held in self._named_copies(remove_duplicate):
+            yield prefix + name, held
+
+    def parameter_copies(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        """(compute copy, what `named_parameters()` yields for it) for each parameter of the wrapped module, in
+        one walk of its modules (the Trainer's clip pairs them every step)."""
+        for _, compute, held in self._named_copies(True):
+            yield compute, held
+
+    def _named_copies(self, remove_duplicate: bool) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(name, compute copy, optimizer copy of a trainable parameter or the compute copy of a frozen one)."""
         for name, p in self._modules["module"].named_parameters(remove_duplicate=remove_duplicate):
             bucket_index, slot_index = self._store.bucket_of[id(p)]
             slot = self._store.buckets[bucket_index].slots[slot_index]
-            yield prefix + name, slot.optim if slot.optim is not None else p
+            yield name, p, slot.optim if slot.optim is not None else p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
