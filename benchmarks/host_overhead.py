@@ -1,25 +1,32 @@
 """Host-side (Python) time per training step: RoundPipe beside the plain loop, on the CPU, on a model so small that
-its compute is negligible (issue 31 item 10).
+its compute is small (issue 31 item 10: on one H200 the 168M preset's step is 77 ms against the plain Trainer's 65).
 
 The 168M Qwen3 preset's shape (12 decoder layers, 2 heads per kv head, an untied head) at hidden 64, vocabulary 256,
-8 x 64 tokens per step: what a step costs there is mostly the frameworks' own Python work. Both systems train the
-same initial weights with AdamW and `max_grad_norm=1.0`:
+8 x 64 tokens per step, with one torch thread. The engine runs as it does on one H200 at its defaults
+(`ENGINE_SETTINGS`: the measured plan, i.e. the whole model as the fused stage without recomputation, and the
+optimizer state on the device), on one CPU worker. Every system trains the same initial weights with AdamW and
+`max_grad_norm=1.0`:
 
-- `loop`: a plain torch loop (forward with labels, backward, `clip_grad_norm_`, step, zero_grad) beside the engine's
-  (`wrap_model` on one CPU worker, `forward_backward`, the optimizer's exact clip, step, zero_grad), each step
-  timed with `perf_counter` after a warm-up (`--warmup` steps; the engine is synchronized at each step's end so the
-  optimizer thread's work is inside the step). Also the engine's `wrap_model` + `wrap_optimizer` (its "prepare")
-  and its first step.
-- `trainer`: `transformers.Trainer` beside `RoundPipeTrainer` at its defaults (`roundpipe_devices="cpu"`),
-  `logging_steps=1` as in the convergence preset; the steps' times are the gaps between `on_step_end` callbacks,
-  prepare the time from `train()` to the first step's start.
+- `loop` (the default): the plain torch loop (forward with labels, backward, `clip_grad_norm_`, step, zero_grad, the
+  loss read) beside the engine's (`wrap_model`, `forward_backward`, the optimizer's exact clip, step, zero_grad, the
+  loss read, `synchronize` so that the optimizer thread's work is inside the step), twice: as it runs
+  (`roundpipe`) and without the CPU worker's RNG dispatch mode (`roundpipe, no CPU RNG`: a CUDA worker has none, so
+  that row is the host work a GPU step also does; the model has no dropout, so the numbers are the same). The
+  systems take turns, `--block` steps each, so that a busy machine slows them alike; each line gives the median
+  step (wall clock) and the median CPU time of every thread of the process during a step, and for the engines
+  `prepare` (`wrap_model` + `wrap_optimizer`) and the first step (the measured pass).
+- `trainer`: `transformers.Trainer` beside `RoundPipeTrainer` (the CPU worker without its RNG mode),
+  `logging_steps=1` as in the convergence preset: the median gap between `on_step_end` callbacks, the CPU time of
+  the caller's thread per step (RoundPipe's: the Trainer's and the engine's Python on the caller, with the compute
+  on the worker), prepare (from `train()` to the first step's start) and the first step.
 
-    PYTHONPATH=. python3 benchmarks/host_overhead.py [--mode loop|trainer|both] [--steps 60] [--profile]
+    PYTHONPATH=. python3 benchmarks/host_overhead.py [--mode loop|trainer|both] [--steps 120] [--profile STEPS]
 
-`--profile` prints cProfile's top functions (cumulative) over the engine loop's timed steps, every thread's time
-that the caller's thread spends included only as waits (the workers' Python work shows under their own threads'
-entries only when profiled there: the caller's profile says where the caller waits, the printed `threads` table
-how long each engine thread was busy).
+`--profile STEPS` then runs STEPS more engine steps under cProfile in every thread (the caller by cumulative time,
+each engine thread by own time, and each engine thread's own functions apart); with `--mode trainer`, the caller's
+thread of both Trainers past the warm-up. The profiler slows Python several times over: compare functions with each
+other, and take times from the runs without it. A shared machine moves every number by 10-20% between runs: compare
+systems within one run, and prefer the CPU-time columns.
 """
 
 from __future__ import annotations
