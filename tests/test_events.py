@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from accelerate_roundpipe.runtime.common.sync import EngineClosedError, FailureFlag, Future, ReadWriteOrder, Sequencer
+from accelerate_roundpipe.runtime.common.sync import (
+    EngineClosedError,
+    FailureFlag,
+    Future,
+    ReadWriteOrder,
+    Sequencer,
+    wait_for_any_turn,
+)
 
 
 def run_threads(jobs):
@@ -115,3 +122,30 @@ def test_a_wait_times_out_instead_of_hanging():
     failure = FailureFlag(timeout_s=0.3)
     with pytest.raises(TimeoutError, match="ROUNDPIPE_WAIT_TIMEOUT_S"):
         Future("never").get(failure)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.02])
+def test_a_wait_over_several_sequencers_is_woken_by_whichever_turn_comes(delay_s):
+    # The zero_grad job waits so over every bucket's sequencer: the one whose turn comes may be any of them, not
+    # the first. A wait woken only by the first would see the third's turn only at its timeout (a TimeoutError here,
+    # since the first never turns); one re-checked only on wake-ups must also see turns that ended before it began.
+    failure = FailureFlag(timeout_s=5)
+    sequencers = [Sequencer() for _ in range(3)]
+    tickets = [[s.reserve(), s.reserve()] for s in sequencers]
+    sequencers[1].begin(tickets[1][0], failure, "turn")
+    sequencers[1].end(tickets[1][0])  # ended before the wait: found by its first check
+    turns = [(sequencers[0], tickets[0][1]), (sequencers[2], tickets[2][1])]
+    found = []
+
+    def waiter():
+        found.append(wait_for_any_turn(turns, failure, "any turn"))
+
+    def ender():
+        time.sleep(delay_s)
+        sequencers[2].begin(tickets[2][0], failure, "turn")
+        sequencers[2].end(tickets[2][0])
+
+    run_threads([waiter, ender])
+    assert found == [[1]]
+    assert all(not s._watchers for s in sequencers)  # the watch is gone with the wait
+    assert wait_for_any_turn([(sequencers[1], tickets[1][1])], failure, "already") == [0]
