@@ -33,3 +33,21 @@ def test_the_tiny_run_records_every_part_and_implementation(tmp_path, monkeypatc
     losses = {round(loss, 4) for r in records for loss in r["losses"]}
     assert len(losses) == 1, losses
     assert "get_interface" not in vars(moe.ALL_EXPERTS_FUNCTIONS)
+
+
+def test_the_layer_profile_sorts_kernels_by_kind_and_runs_tiny(tmp_path, monkeypatch):
+    from benchmarks import moe_layer_profile as profile
+
+    assert profile.kind_of("void cutlass::device_kernel<grouped_gemm ...>") == "experts grouped GEMM"
+    assert profile.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "GEMM"
+    assert profile.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert profile.kind_of("void at::native::radixSortKVInPlace<...>") == "routing (sort, index, scatter, histogram)"
+    assert profile.kind_of("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add>") == "elementwise"
+    assert profile.kind_of("mystery") == "other"
+    monkeypatch.setenv("ROUNDPIPE_SUMMARY", "0")
+    out = tmp_path / "records.jsonl"
+    profile.main(["--tiny", "--warm", "1", "--steps", "1", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["system"].split()[0] for r in records] == ["hf", "peft", "engine"]
+    losses = {round(r["losses"][0], 4) for r in records}
+    assert len(losses) == 1 and all(r["wall_ms"] > 0 for r in records), records

@@ -1,0 +1,167 @@
+"""Where a mixture-of-experts step's GPU time goes: kernels by kind, for plain HF, PEFT LoRA in GPU memory and the
+engine's LoRA (issue 32: the b32 run is compute-bound at 0.22 of the limit; is it the experts' matrix products, the
+routing around them, attention, or the gaps between kernels?).
+
+The model of `benchmarks/moe_experts.py` (Qwen3-30B-A3B's layer shapes, 4 decoder layers, bf16) at `--batch` rows of
+`--seq` tokens, which is one micro-batch of the b32 run (4 rows of 4096) by default. For each system, `--steps`
+profiled steps after `--warm`: the GPU's busy time per step, the wall time per step, and the kernels' time by kind
+(the experts' grouped GEMM, other GEMMs, attention, the routing's sort/scatter/gather/index kernels, elementwise
+and reductions, copies), with the top kernels by time. The engine's rows include its stage recomputation (a fused
+pass of all 4 layers has none on the whole GPU; `--recompute` names the config value to force it).
+
+    python3 benchmarks/moe_layer_profile.py [--batch 4] [--seq 4096] [--steps 3] [--systems hf,peft,engine]
+        [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.moe_experts import FULL, LORA_TARGETS, TINY, build_model, make_batch  # noqa: E402
+from benchmarks.records import emit  # noqa: E402
+from benchmarks.trace_summary import GPU_CATEGORIES, union_length  # noqa: E402
+
+# Kinds of kernels, by a word of their name; the first that matches wins (lower case).
+KINDS = (
+    ("experts grouped GEMM", ("grouped", "_grouped_mm", "cutlass")),
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("GEMM", ("gemm", "nvjet", "sm90_xmma", "cublas", "matmul")),
+    ("routing (sort, index, scatter, histogram)", ("sort", "index", "scatter", "gather", "histc", "bincount",
+                                                   "cumsum", "topk", "radix", "unique", "nonzero")),
+    ("copies and casts", ("copy", "memcpy", "memset", "cast")),
+    ("reductions", ("reduce", "softmax", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def kind_of(name: str) -> str:
+    lower = name.lower()
+    for kind, words in KINDS:
+        if any(word in lower for word in words):
+            return kind
+    return "other"
+
+
+def profile_steps(step, warm: int, steps: int, device: str) -> dict:
+    """Run `warm` steps, then `steps` under torch.profiler: wall and GPU time per step, kernels by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warm):
+        step()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        losses = [float(step()) for _ in range(steps)]
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    # Kernel times from the exported trace (the path benchmarks/trace_summary.py reads), one event per kernel.
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    by_kind: collections.Counter = collections.Counter()
+    by_kernel: collections.Counter = collections.Counter()
+    for event in kernels:
+        by_kind[kind_of(event["name"])] += float(event.get("dur", 0.0)) / 1e3 / steps
+        by_kernel[event["name"][:90]] += float(event.get("dur", 0.0)) / 1e3 / steps
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in kernels)
+    busy = union_length(spans) / 1e3 / steps
+    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy, 2),
+            "kinds_ms": {k: round(v, 2) for k, v in by_kind.most_common()},
+            "top_kernels_ms": {k: round(v, 2) for k, v in by_kernel.most_common(12)},
+            "losses": [round(x, 5) for x in losses]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a check that the script runs)")
+    parser.add_argument("--batch", type=int, default=4, help="rows per step (one micro-batch of the b32 run)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default 4096; --tiny: 32)")
+    parser.add_argument("--warm", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--systems", default="hf,peft,engine")
+    parser.add_argument("--recompute", default=None, help="the engine's `recompute` setting (default: its own)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.seq = args.seq or (32 if args.tiny else 4096)
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --tiny)")
+    os.environ.setdefault("ROUNDPIPE_SUMMARY", "0")
+    shape, device = (TINY, "cpu") if args.tiny else (FULL, "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    batch = make_batch(shape["vocab_size"], args.batch, args.seq)
+    on_device = {k: v.to(device) for k, v in batch.items()}
+    tokens = args.batch * args.seq
+    systems = args.systems.split(",")
+    base = {"bench": "moe-layer-profile", "batch": args.batch, "seq": args.seq, "layers": shape["num_hidden_layers"],
+            "commit": os.environ.get("BENCH_COMMIT", "unknown")}
+
+    def report(system: str, result: dict) -> None:
+        result = {**base, "system": system, "tokens_per_s": round(tokens / result["wall_ms"] * 1e3, 1), **result}
+        emit(result, args.out)
+
+    model = build_model(shape, args.seq, device, dtype)
+    if "hf" in systems:
+        def hf_step():
+            loss = model(**on_device).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss.detach()
+        report("hf full (grouped_mm)", profile_steps(hf_step, args.warm, args.steps, device))
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                             task_type="CAUSAL_LM")).to(dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if "peft" in systems:
+        optimizer = torch.optim.AdamW(trainable, lr=0.0, fused=device.startswith("cuda"))
+
+        def peft_step():
+            loss = model(**on_device).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+        report("peft LoRA in GPU memory (merged experts weight)", profile_steps(peft_step, args.warm, args.steps,
+                                                                                 device))
+        del optimizer
+    if "engine" in systems:
+        from accelerate_roundpipe import RoundPipeConfig, wrap_model
+
+        model = model.to("cpu")
+        settings = {} if args.recompute is None else {"recompute": args.recompute}
+        engine = wrap_model(model, RoundPipeConfig(devices=[device if device == "cpu" else "cuda:0"],
+                                                   async_optimizer=False, **settings))
+        try:
+            optimizer = engine.wrap_optimizer(torch.optim.AdamW(
+                [p for p in engine.parameters() if p.requires_grad], lr=0.0, fused=device.startswith("cuda")))
+
+            def engine_step():
+                loss = engine.forward_backward(**batch)
+                optimizer.step()
+                optimizer.zero_grad()
+                engine.synchronize()
+                return loss
+            report("engine LoRA (factored experts)", profile_steps(engine_step, args.warm, args.steps, device))
+        finally:
+            engine.close()
+
+
+if __name__ == "__main__":
+    main()
