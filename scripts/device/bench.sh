@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts,
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload).
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
@@ -24,7 +24,7 @@ LOG=$OUT/bench.log
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup"
-WORKLOADS+=" moe-experts"
+WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
 CALL_S=${BENCH_CALL_S:-585}
@@ -211,6 +211,10 @@ run_ours() {
   moe-experts)  # issue 32 item 2: Qwen3-30B-A3B's layer shapes, 4 layers, bf16: plain HF with each experts
     # implementation, plain PEFT LoRA in GPU memory, the engine's LoRA with each (benchmarks/moe_experts.py)
     step 170 python3 benchmarks/moe_experts.py --out "$OUT/ours.jsonl" ;;
+  moe-profile)  # issue 32: where an MoE step's GPU time goes, by kind of kernel (benchmarks/moe_layer_profile.py):
+    # the 4-layer Qwen3-30B-A3B-shaped model at one micro-batch of the b32 run (4 x 4096), plain HF, PEFT in GPU
+    # memory, the engine's LoRA
+    step 120 python3 benchmarks/moe_layer_profile.py --batch 4 --out "$OUT/ours.jsonl" ;;
   trainer-1.7b)  # Qwen3-1.7B s4096 b8, RoundPipeTrainer at its defaults (exact, clip 1.0, logging 10)
     ours 75 qwen3-1.7b-full-s4096-b8 roundpipe-trainer --warm 2 --iters 8 --max-grad-norm 1.0 --logging-steps 10 \
       --roundpipe optimizer_placement=auto ;;
