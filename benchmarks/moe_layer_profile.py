@@ -62,7 +62,7 @@ def profile_steps(step, warm: int, steps: int, device: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         start = time.perf_counter()
         losses = [float(step()) for _ in range(steps)]
         if cuda:
@@ -79,13 +79,28 @@ def profile_steps(step, warm: int, steps: int, device: str) -> dict:
     by_kernel: collections.Counter = collections.Counter()
     for event in kernels:
         by_kind[kind_of(event["name"])] += float(event.get("dur", 0.0)) / 1e3 / steps
-        by_kernel[event["name"][:90]] += float(event.get("dur", 0.0)) / 1e3 / steps
+        by_kernel[event["name"][:160]] += float(event.get("dur", 0.0)) / 1e3 / steps
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in kernels)
     busy = union_length(spans) / 1e3 / steps
-    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy, 2),
+    return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy, 2), "top_ops": top_ops(prof, steps, cuda),
             "kinds_ms": {k: round(v, 2) for k, v in by_kind.most_common()},
-            "top_kernels_ms": {k: round(v, 2) for k, v in by_kernel.most_common(12)},
+            "top_kernels_ms": {k: round(v, 2) for k, v in by_kernel.most_common(8)},
             "losses": [round(x, 5) for x in losses]}
+
+
+def top_ops(prof, steps: int, cuda: bool, count: int = 10) -> list[dict]:
+    """The operators that launched the most GPU time (their own kernels; on the CPU, their own CPU time), with their
+    input shapes and the innermost frames of Python that called them outside torch: which line of the model a
+    kernel belongs to."""
+    rows = []
+    for avg in prof.key_averages(group_by_input_shape=True, group_by_stack_n=12):
+        device_ms = (avg.self_device_time_total if cuda else avg.self_cpu_time_total) / 1e3 / steps
+        if not avg.key.startswith("aten::") or device_ms < (0.5 if cuda else 0.05):
+            continue
+        frames = [f for f in (avg.stack or []) if "torch/" not in f and "profiler" not in f][:3]
+        rows.append({"op": avg.key, "ms": round(device_ms, 2), "calls": avg.count // steps,
+                     "shapes": str(avg.input_shapes)[:160], "where": frames})
+    return sorted(rows, key=lambda r: -r["ms"])[:count]
 
 
 def main(argv: list[str] | None = None) -> None:
