@@ -222,10 +222,10 @@ run_ours() {
     # 24 GiB card, built with the cap lifted and kept on the host; the engine at its defaults (the exact step)
     # with a timeline trace of its steps (gzipped at the end of the call)
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --trace-dir "$OUT/traces" ;;
-  moe-cap24-b32)  # the same at b32 (issue 32's second MoE target: >= 0.4 of the limit), 8 micro-batches of 4 rows
+  moe-cap24-b32)  # the same at b32 (issue 32's second MoE target: >= 0.4 of the limit), 8 micro-batches of 4 rows, traced
     # (the first pass's default, 2 per device, would be 2 of 16 rows: out of memory before anything is measured)
     step 240 python3 benchmarks/run.py --out "$OUT/ours.jsonl" --workload qwen3-30b-a3b-lora-s4096-b32-cap24 \
-      --system roundpipe-engine --nms 8 --warm 1 --iters 3 ;;
+      --system roundpipe-engine --nms 8 --warm 1 --iters 2 --trace-dir "$OUT/traces" ;;
   moe-cap24-merged)  # the same as moe-cap24 with PEFT's own computation of the experts' LoRA (the merged weight per
     # call) in place of the factored one ([Note: factored LoRA on experts]), for the two side by side
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --peft-merged-experts ;;
