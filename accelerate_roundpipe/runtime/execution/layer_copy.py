@@ -75,6 +75,7 @@ class LayerCopy:
         self.kind = type(layer).__name__
         modules = dict(self.module.named_modules(remove_duplicate=False))
         self._targets = [(modules[b.module_path], b.attr, b) for b in bindings]
+        self._slots = [(module._parameters, attr) for module, attr, _ in self._targets]  # where `bind_tensors` puts
         self._modules = list(self.module.named_modules(remove_duplicate=False))
         self._dicts = [vars(module) for _, module in self._modules]
         self._buffer_dicts = [module._buffers for _, module in self._modules]
@@ -82,8 +83,13 @@ class LayerCopy:
 
     def bind(self, tensor_for: Callable[[Binding], torch.Tensor]) -> None:
         """Point every parameter use at its uploaded tensor (`tensor_for(binding)`)."""
-        for module, attr, binding in self._targets:
-            module._parameters[attr] = tensor_for(binding)
+        self.bind_tensors([tensor_for(binding) for _, _, binding in self._targets])
+
+    def bind_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Point the parameter uses at `tensors`, one per binding in the order of the bindings this copy was made
+        with ([Note: bind plans])."""
+        for (parameters, attr), tensor in zip(self._slots, tensors, strict=True):
+            parameters[attr] = tensor
 
     def unbind(self) -> None:
         """Drop the task's tensors: a bound view keeps its whole uploaded flat (and, through `.grad`, its gradient

@@ -159,8 +159,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
         clip = GradientClip(max_norm, self.step_order, self.layout, self.failure, self.trace)
         with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
-            for bucket in self.step_order:  # top layers first: the order their gradients become final
-                self.thread.submit(clip.measure_job(bucket, bucket.grads.reserve()))
+            # top layers first: the order their gradients become final
+            self.thread.submit(clip.measure_job([(bucket, bucket.grads.reserve()) for bucket in self.step_order]))
         self._clip = clip
         return clip.pending_norm()
 

@@ -38,18 +38,23 @@ class GradientClip:
         """The norm, as a tensor filled in when first read."""
         return PendingGradNorm(self.norm, self.failure, self.dtype)
 
-    def measure_job(self, bucket: Bucket, ticket: int) -> Callable[[], None]:
-        """The optimizer thread's job: add `bucket`'s squared norm in its gradient turn `ticket`."""
-        def measure_bucket() -> None:
-            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
-            try:
-                square = self.layout.squared_norm(bucket, ticket)
-                with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
-                    self.norm.add(square)
-            finally:
-                bucket.grads.end(ticket)
+    def measure_job(self, turns: list[tuple[Bucket, int]]) -> Callable[[], None]:
+        """The optimizer thread's job: add each bucket's squared norm, in order, in its gradient turn (`turns`:
+        bucket, turn, top layers first). One job for every bucket, not one each: they are queued together, so
+        nothing else ever ran between them, and a job each cost the optimizer thread a queue hand-over and a wake
+        per bucket between the backward and the step, which a clip waits for whole."""
+        def measure_buckets() -> None:
+            for bucket, ticket in turns:
+                self.failure.check()  # a failure stops the measuring as it skipped the jobs queued after it
+                bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the gradient norm")
+                try:
+                    square = self.layout.squared_norm(bucket, ticket)
+                    with maybe_span(self.trace, "optimizer", f"norm layers {list(bucket.layers)}"):
+                        self.norm.add(square)
+                finally:
+                    bucket.grads.end(ticket)
 
-        return measure_bucket
+        return measure_buckets
 
     def apply(self, bucket: Bucket, groups: list[dict[str, Any]]) -> float | None:
         """Scale `bucket`'s gradients for its step (in its gradient turn, on the optimizer thread); returns the
