@@ -29,11 +29,12 @@ class System:
 
     name: str
     roundpipe: dict[str, Any] | None = None
+    use_liger_kernel: bool = False  # the plain Trainer's own `use_liger_kernel` (Liger's kernels in HF's model)
 
 
 def builtin_systems() -> dict[str, System]:
-    return {PLAIN: System(PLAIN), "sync": System("sync", {"async_optimizer": False}),
-            "async": System("async", {"async_optimizer": True})}
+    return {PLAIN: System(PLAIN), "hf-liger": System("hf-liger", use_liger_kernel=True),
+            "sync": System("sync", {"async_optimizer": False}), "async": System("async", {"async_optimizer": True})}
 
 
 def _field_types() -> dict[str, type]:
@@ -144,7 +145,7 @@ def training_arguments(system: System, regime: dict, sizes: dict, output_dir: st
                   data_seed=sizes["seed"] + regime["data_seed_offset"], bf16=sizes["bf16"], use_cpu=not cuda,
                   dataloader_pin_memory=cuda)
     if system.roundpipe is None:
-        return TrainingArguments(**common)
+        return TrainingArguments(**common, use_liger_kernel=system.use_liger_kernel)
     roundpipe = {"devices": "cuda:0" if cuda else "cpu,cpu", "num_microbatches": sizes.get("num_microbatches"),
                  **system.roundpipe}
     roundpipe = {k: v for k, v in roundpipe.items() if v is not None}  # None: the engine's default
