@@ -23,7 +23,7 @@ LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
-WORKLOADS+=" eval-startup"
+WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
@@ -184,6 +184,11 @@ run_ours() {
       --eval-every 1000 --variant after-hf:optimizer_placement=auto --out "$OUT"
     step 80 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" --steps 100 \
       --eval-every 1000 --variant alone:optimizer_placement=auto --out "$OUT" ;;
+  eval-kernels)  # beside eval-startup: is the engine's evaluation host-bound by Liger's launches? The plain Trainer
+    # with Liger (use_liger_kernel) and RoundPipeTrainer without (kernels=none), each in its own process
+    step 90 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf-liger --out "$OUT"
+    step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
+      --variant no-kernels:kernels=none --out "$OUT" ;;
   eval-startup)  # issue 31 item 10: what a user waits for on the 168M preset (300 steps, an evaluation every 50):
     # the whole train() and each evaluate(), the plain Trainer and RoundPipeTrainer at its defaults, each in its own
     # process after a warm-up of both; then where an evaluation and the start-up go (torch.profiler + cProfile)
@@ -233,7 +238,9 @@ run_ours() {
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 \
       --roundpipe optimizer_placement=host ;;
   gpt-oss-cap24)  # GPT-OSS-20B (bf16) LoRA on the experts' parameters and the attention, the same way
-    ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+    # 8 micro-batches of 1 row: eager attention's scores are 2 GiB a row per layer (64 heads x 4096^2 in bf16), and the
+    # first pass's default of 2 (4 rows each) ran out of memory at 82d9581
+    ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --nms 8 ;;
   dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
     ours 240 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
   disk-cap24)  # the disk tier under the 24 GiB cap: Qwen3-4B full fine-tune, exact step, with host_memory_budget=24
