@@ -25,7 +25,7 @@ WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long l
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
 WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
-WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 dense-32b-cap24"
+WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
 CALL_S=${BENCH_CALL_S:-585}
 
@@ -238,8 +238,9 @@ run_ours() {
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 \
       --roundpipe optimizer_placement=host ;;
   gpt-oss-cap24)  # GPT-OSS-20B (bf16) LoRA on the experts' parameters and the attention, the same way
-    # 8 micro-batches of 1 row: eager attention's scores are 2 GiB a row per layer (64 heads x 4096^2 in bf16), and the
-    # first pass's default of 2 (4 rows each) ran out of memory at 82d9581
+    ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+  gpt-oss-cap24-nms8)  # the same at 8 micro-batches of 1 row: eager attention's scores are 2 GiB a row per layer
+    # (64 heads x 4096^2 in bf16), and the first pass's default of 2 (4 rows each) ran out of memory at 82d9581
     ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --nms 8 ;;
   dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
     ours 240 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
