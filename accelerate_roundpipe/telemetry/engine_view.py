@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..plan.first_pass_sizing import FirstPassSizing
+
 
 @dataclass(frozen=True)
 class DeviceView:
@@ -69,3 +71,4 @@ class EngineSnapshot:
     data_parallel: DataParallelView | None  # None on one process
     store: StoreView
     notes: tuple[tuple[str, str], ...] = ()  # (name, text) lines the integrations add (e.g. "clipping")
+    first_pass: FirstPassSizing | None = None  # the unplanned count's sizing ([Note: first-pass micro-batches])

@@ -29,8 +29,15 @@ def announce(text: str, enabled: bool = True) -> None:
 
 def _microbatches(snapshot: EngineSnapshot) -> str:
     num_devices = len(snapshot.devices)
+    sizing = snapshot.first_pass
     if snapshot.num_microbatches is not None:
         count = f"{snapshot.num_microbatches} per pass (num_microbatches)"
+    elif sizing is not None and sizing.raised and snapshot.plan == "measured":
+        count = (f"{sizing.count} per pass on the first pass ({sizing.reason()}), then the measured plan's choice "
+                 f"(num_microbatches to fix it)")
+    elif sizing is not None and sizing.raised:  # [Note: first-pass micro-batches], for every pass of a static plan
+        count = (f"{sizing.count} per pass for {sizing.rows} rows of {sizing.seq_len} tokens ({sizing.reason()}; "
+                 f"num_microbatches to change it)")
     elif snapshot.plan == "measured":
         count = (
             f"{2 * num_devices} per pass (2 x devices) on the first pass, then the measured plan's choice "

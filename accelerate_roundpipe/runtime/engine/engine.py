@@ -187,7 +187,7 @@ class RoundPipe(HostResidentModule):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'.")
         counted_labels = ignore_index if loss_fn is not None else None
         try:
-            self._before_pass()
+            self._before_pass(inputs)
             self._launch.follow_adapter_switches(training=True)
             inputs = tensor_tuple(inputs, "forward_backward inputs")
             rows, num_mb, mb_inputs = self._microbatches.split(inputs)
@@ -270,7 +270,7 @@ class RoundPipe(HostResidentModule):
         return torch.stack(losses).sum()
 
     def _forward_pieces(self, inputs: tuple, keep_for_backward: bool) -> tuple[Any, Any, list[tuple]]:
-        self._before_pass()
+        self._before_pass(inputs)
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
@@ -395,10 +395,11 @@ class RoundPipe(HostResidentModule):
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         return self._launch.schedule(num_microbatches, Mode(mode))  # the tasks of a pass, for printing
 
-    def num_microbatches_for(self, rows: int) -> int:
-        """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
-        choice, else twice the device count; never more than the rows."""
-        return self._microbatches.count_for(rows)
+    def num_microbatches_for(self, rows: int, seq_len: int | None = None) -> int:
+        """Micro-batches a training pass over `rows` rows (of `seq_len` tokens) runs now: `num_microbatches`, else
+        the measured plan's choice, else the count that fits ([Note: first-pass micro-batches]; twice the device
+        count at least, and without `seq_len`); never more than the rows."""
+        return self._microbatches.count_for(rows, seq_len)
 
     # ------------------------------------------------------------------ internals
 
@@ -409,11 +410,13 @@ class RoundPipe(HostResidentModule):
     def snapshot(self) -> EngineSnapshot:
         """How the engine runs now, as frozen plain data: what telemetry reads (the start summary)."""
         return engine_snapshot(self.config, self.devices, len(self.layers), self.partition, self.optimizer,
-                               self._placement, self.data_parallel, self._store, self.summary_notes)
+                               self._placement, self.data_parallel, self._store, self.summary_notes,
+                               self._microbatches.sizing)
 
-    def _before_pass(self) -> None:
+    def _before_pass(self, inputs: Any) -> None:
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
+            self._microbatches.size_before_start(inputs)  # the summary says why the first pass has its count
             announce(engine_summary(self.snapshot()), self.config.resolved_summary)
 
     # ------------------------------------------------------------------ nn.Module behaviour

@@ -23,6 +23,7 @@ from ..distribution.gradient_exchange import NoExchange, gradient_exchange
 from ..execution.adapter_switches import AdapterSwitches
 from ..execution.deferred import DeferredPasses
 from ..execution.dispatch import Dispatcher
+from ..execution.first_pass import FirstPassSizer
 from ..execution.measured_plan import MeasuredPlan
 from ..execution.microbatches import MicrobatchPolicy
 from ..state.host_store import HostStore
@@ -81,8 +82,11 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     trace = TraceRecorder(config.trace_path, dp.rank if dp else None, exchange.world_size) \
         if config.trace_path else None
     plan = MeasuredPlan(config, devices, store)  # [Note: measured plan]
+    # Unplanned passes are sized from the model's config ([Note: first-pass micro-batches]); the partition they run
+    # is this one (the measured plan replaces both at once).
+    sizer = FirstPassSizer(getattr(module, "config", None), store, plan, partition)
     # `allow_short_batches`: see [Note: short batches].
-    microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches)
+    microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches, sizer)
     dispatch = Dispatcher(config, devices, store, failure, plan, trace)
     deferred = DeferredPasses(store, failure)
     threads = EngineThreads(dispatch, deferred, failure, exchange)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ...config import RoundPipeConfig
+from ...plan.first_pass_sizing import FirstPassSizing
 from ...plan.partition import Partition
 from ...telemetry.engine_view import (
     DataParallelView,
@@ -46,7 +47,8 @@ def _optimizer(optimizer: RoundPipeOptimizer | None) -> OptimizerView | None:
 
 def engine_snapshot(config: RoundPipeConfig, devices: Sequence[Device], layers: int, partition: Partition,
                     optimizer: RoundPipeOptimizer | None, placement: OptimizerPlacement | None,
-                    group: DataParallelGroup | None, store: HostStore, notes: Mapping[str, str]) -> EngineSnapshot:
+                    group: DataParallelGroup | None, store: HostStore, notes: Mapping[str, str],
+                    sizing: FirstPassSizing | None = None) -> EngineSnapshot:
     """The snapshot of an engine built of these parts, as they are now."""
     return EngineSnapshot(
         devices=tuple(DeviceView(str(d.device), d.is_cuda, d.tracks_memory) for d in devices),
@@ -62,4 +64,5 @@ def engine_snapshot(config: RoundPipeConfig, devices: Sequence[Device], layers: 
                                                                placement.tiers_line(), placement.disk_bytes),
         data_parallel=None if group is None else DataParallelView(group.rank, group.world_size),
         store=_store(store),
-        notes=tuple(notes.items()))
+        notes=tuple(notes.items()),
+        first_pass=sizing)

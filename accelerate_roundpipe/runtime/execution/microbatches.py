@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from ...config import RoundPipeConfig
+from ...plan.first_pass_sizing import FirstPassSizing
+from .first_pass import FirstPassSizer
 from .measured_plan import MeasuredPlan
 
 logger = logging.getLogger(__name__)
@@ -80,10 +82,12 @@ class MicrobatchPolicy:
     """
 
     def __init__(self, config: RoundPipeConfig, num_devices: int, plan: MeasuredPlan,
-                 allow_short_batches: bool) -> None:
+                 allow_short_batches: bool, sizer: FirstPassSizer | None = None) -> None:
         self.config = config
         self.num_devices = num_devices
         self.plan = plan
+        self.sizer = sizer
+        self.sizing: FirstPassSizing | None = None  # the last unplanned count's ([Note: first-pass micro-batches])
         self.allow_short_batches = allow_short_batches
         self._warned_short_batch = False
         self._last_was_short = False  # the previous training batch had fewer rows than num_microbatches
@@ -118,15 +122,37 @@ class MicrobatchPolicy:
                 self._warned_short_batch = True
         if strict:
             self._last_was_short = short
-        num_mb = self.count_for(rows)
+        num_mb = self.count_for(rows, _seq_len(inputs))
         return rows, num_mb, split_rows(inputs, num_mb)
 
-    def count_for(self, rows: int) -> int:
-        """Micro-batches a training pass over `rows` rows runs now: `num_microbatches`, else the measured plan's
-        choice, else twice the device count; never more than the rows."""
+    def size_before_start(self, inputs: Any) -> None:
+        """Size the first pass's batch before its checks, for the start summary printed first (`self.sizing`)."""
+        first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+        if isinstance(first, torch.Tensor) and first.dim():
+            self.count_for(first.shape[0], _seq_len((first,)))
+
+    def count_for(self, rows: int, seq_len: int | None = None) -> int:
+        """Micro-batches a training pass over `rows` rows (of `seq_len` tokens, if known) runs now:
+        `num_microbatches`, else the measured plan's choice, else the count that fits the batch
+        ([Note: first-pass micro-batches]; twice the device count at least, and when the length is unknown or the
+        model has no config to estimate from); never more than the rows."""
         requested = self.config.num_microbatches
+        if requested is not None:  # the user's setting always wins
+            return min(requested, rows)
         chosen = self.plan.chosen_microbatches
-        return min(requested if requested is not None else chosen or 2 * self.num_devices, rows)
+        if chosen:
+            return min(chosen, rows)
+        default = min(2 * self.num_devices, rows)
+        if self.sizer is None or seq_len is None:
+            return default
+        self.sizing = self.sizer.size(rows, seq_len, default)
+        return self.sizing.count if self.sizing is not None else default
+
+
+def _seq_len(inputs: tuple[torch.Tensor, ...]) -> int | None:
+    """The tokens of a row: dim 1 of the first input ([batch, seq, ...], as a Hugging Face batch's input_ids or
+    inputs_embeds); None for inputs without one."""
+    return int(inputs[0].shape[1]) if inputs[0].dim() >= 2 else None
 
 
 def weighted_loss(losses: list[torch.Tensor], shares: list[float]) -> torch.Tensor:
