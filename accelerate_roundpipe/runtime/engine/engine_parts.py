@@ -71,7 +71,8 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     # One process, or one rank of a data-parallel group over torch.distributed ([Note: gradient exchange]).
     exchange = gradient_exchange(config.data_parallel, config.resolved_wait_timeout_s)
     store = HostStore(list(pipeline), config.param_dtype, config.optimizer_dtype, pin, names,
-                      pin_optimizer_copies=exact_steps, pad_multiple=exchange.pad_multiple)
+                      pin_optimizer_copies=exact_steps, pad_multiple=exchange.pad_multiple,
+                      defer_compute_locks=True)  # [Note: compute copies locked where they cross]
     exchange.check_same("the engine settings", _settings_every_rank_shares(config, len(devices), len(pipeline), store))
     exchange.broadcast_weights(store)
     partition = plan_partition(len(pipeline), forward_stages=config.forward_stages,

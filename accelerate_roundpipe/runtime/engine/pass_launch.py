@@ -45,6 +45,7 @@ class PassLauncher:
                         "the optimizer copies in engine.parameters() were changed outside the engine (an optimizer "
                         "that was not wrapped?). Use `optimizer = engine.wrap_optimizer(optimizer)`: the lagged "
                         "optimizer also writes the compute copies the devices use.")
+        self.store.lock_compute_copies_before_first_pass()  # no optimizer placed yet: every bucket crosses
         started = self.dispatch.start_workers(self.passes.seed)
         self.dispatch.forget_finished()
         return started

@@ -91,6 +91,7 @@ class MeasuredPlan:
                                            config.host_memory_budget, config.resolved_offload_dir,
                                            config.resolved_wait_timeout_s)  # [Note: disk tier]
         lock_host_optimizer_copies(self.store)
+        self.store.lock_crossing_compute_copies()  # [Note: compute copies locked where they cross]
         if self.budget_bytes is not None and placement.device_buckets:
             self.budget_bytes -= placement.most_on_one_device()
             if not self.enabled:

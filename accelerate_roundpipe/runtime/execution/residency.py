@@ -149,8 +149,10 @@ class ParamResidency:
                 return
             hosts = [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch]
             crossing = sum(h.numel() * h.element_size() for h in hosts if h.device.type == "cpu")
+            # the measured rate is page-locked memory's ([Note: compute copies locked where they cross])
+            pageable = any(self.store.uploads_pageable(b, h) for (b, _), h in zip(batch, hosts))
             timed = params.profile.measure_upload(self.device, crossing) \
-                if params.profile is not None and crossing else NO_TIMING
+                if params.profile is not None and crossing and not pageable else NO_TIMING
             with timed:
                 events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts)
             params.mark_issued(batch, events)

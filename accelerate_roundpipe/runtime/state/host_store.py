@@ -3,8 +3,9 @@
 A *bucket* is one flat buffer of parameters that are always uploaded together: the parameters used by exactly one
 layer (per dtype and trainability), or a parameter shared by several layers (tied weights), stored once. Each
 bucket holds
-- `compute`: the compute copy (param dtype, pinned when a GPU is used); the user's module parameters are re-pointed
-  to views of it, so `engine.module` always shows the compute copy;
+- `compute`: the compute copy (param dtype, pinned when a GPU is used and its uploads cross PCIe:
+  [Note: compute copies locked where they cross]); the user's module parameters are re-pointed to views of it, so
+  `engine.module` always shows the compute copy;
 - `optim`: the optimizer copy (optimizer dtype) whose views are the `nn.Parameter`s handed to the optimizer;
 - `grad`: the accumulated gradients (optimizer dtype), attached as `.grad` of the optimizer copies; None while a
   host bucket holds none ([Note: no spare gradient buffer]). A commit into an empty bucket swaps the downloaded
@@ -84,7 +85,8 @@ class Binding:
 class HostStore:
     def __init__(self, layers: list[nn.Module], param_dtype: torch.dtype | None,
                  optimizer_dtype: torch.dtype | None, pin_memory: bool, names: dict[int, str],
-                 pin_optimizer_copies: bool = False, pad_multiple: int = 1) -> None:
+                 pin_optimizer_copies: bool = False, pad_multiple: int = 1,
+                 defer_compute_locks: bool = False) -> None:
         self.layers = layers
         # Trainable buckets are padded to a multiple of this: equal per-rank ranges ([Note: data parallel]).
         self.pad_multiple = pad_multiple
@@ -93,6 +95,11 @@ class HostStore:
         # the placement has kept them on the host ([Note: optimizer copies locked after the placement]).
         self.pin_optimizer_copies = pin_memory and pin_optimizer_copies
         self._locked_optim: set[int] = set()  # bucket indices whose optimizer copy is page-locked
+        # Trainable buckets' compute copies locked once their tier is known, not at the build
+        # ([Note: compute copies locked where they cross]); frozen ones are always uploaded: locked at the build.
+        self.defer_compute_locks = pin_memory and defer_compute_locks
+        self._locked_compute: set[int] = set()  # bucket indices whose compute copy is page-locked
+        self._compute_locks_settled = not self.defer_compute_locks
         self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
         self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
@@ -153,7 +160,13 @@ class HostStore:
             slots.append(ParamSlot(names.get(id(p), f"param{id(p)}"), p, offset, p.numel(), p.shape,
                                    model_dtype=p.dtype))
             offset += _align(p.numel())
-        compute = self.memory.zeros(_align(max(offset, 1), self.pad_multiple if trainable else 1), dtype)
+        numel = _align(max(offset, 1), self.pad_multiple if trainable else 1)
+        if trainable and self.defer_compute_locks:
+            compute = torch.zeros(numel, dtype=dtype)  # `lock_crossing_compute_copies` locks it where it crosses
+        else:
+            compute = self.memory.zeros(numel, dtype)
+            if self.pin_memory:
+                self._locked_compute.add(index)
         optim = None
         if trainable:
             odtype = optimizer_dtype_for(dtype, optimizer_dtype)
@@ -189,6 +202,60 @@ class HostStore:
         if self.pin_optimizer_copies and bucket.optim is not None and bucket.index not in self._locked_optim:
             self.memory.lock(bucket.optim)
             self._locked_optim.add(bucket.index)
+
+    def lock_crossing_compute_copies(self) -> None:
+        """Page-lock the compute copies of the trainable buckets whose tier uploads them over PCIe, once each
+        ([Note: compute copies locked where they cross]). Called after the optimizer's placement, and before the
+        first pass when no optimizer was placed by then (every bucket is the host's then).
+
+        [Note: compute copies locked where they cross]
+        A bucket's compute copy is uploaded by every task that reads its host version: always for a frozen bucket
+        and for one whose optimizer state is on the host or disk, but for a bucket with a home device
+        ([Note: optimizer placement]) only until its first step (readers then read the stepped optimizer copy on
+        the device) and after a failure's write-back. On the 168M convergence preset every bucket goes to the GPU,
+        and locking their compute copies at the build was most of what was left of the start's `cudaHostRegister`
+        time. So with `defer_compute_locks` (the engine's setting) the trainable compute copies are made in ordinary
+        memory and locked here once the tiers are known; a device bucket's stays pageable. What touches it then:
+        - the uploads of the passes before its first step (`Device.upload_params_into`): a non_blocking copy from
+          pageable memory is staged by CUDA before the call returns, so the host buffer is free again at once (the
+          stash of a look was always uploaded so); such uploads are not timed for the measured plan
+          (`uploads_pageable`), whose rate is that of page-locked memory;
+        - a look (`show_current`), a checkpoint's reads and loads, a failure's write-back: blocking copies
+          (`copy_with_cast`), on threads that wait for them.
+        No asynchronous download (`_copy_to_host`, only into gradient buffers and norms) ever targets it."""
+        self._compute_locks_settled = True
+        if not self.defer_compute_locks:
+            return
+        for bucket in self.trainable_buckets:
+            if bucket.tier.crosses_pcie and bucket.index not in self._locked_compute:
+                self.memory.lock(bucket.compute)
+                self._locked_compute.add(bucket.index)
+
+    def lock_compute_copies_before_first_pass(self) -> None:
+        """Before every pass: the first one locks what crosses if no placement did; later ones return at once
+        ([Note: compute copies locked where they cross])."""
+        if not self._compute_locks_settled:
+            self.lock_crossing_compute_copies()
+
+    def uploads_pageable(self, bucket_index: int, host: torch.Tensor) -> bool:
+        """Whether an upload from `host` (bucket `bucket_index`'s buffer a reader reads) runs from memory the store
+        left pageable although it pins: a deferred compute copy of a device bucket
+        ([Note: compute copies locked where they cross])."""
+        compute = self.buckets[bucket_index].compute
+        return (self.defer_compute_locks and bucket_index not in self._locked_compute and host.device.type == "cpu"
+                and host.untyped_storage().data_ptr() == compute.untyped_storage().data_ptr())
+
+    @property
+    def locked_copies(self) -> dict[int, tuple[str, ...]]:
+        """Which host copies of each bucket are page-locked (bucket index -> "compute", "optim"), plain data for the
+        tests and the start summary ([Note: compute copies locked where they cross]). Empty when nothing is pinned."""
+        out = {}
+        for bucket in self.buckets:
+            names = tuple(name for name, locked in (("compute", bucket.index in self._locked_compute),
+                                                    ("optim", bucket.index in self._locked_optim)) if locked)
+            if names:
+                out[bucket.index] = names
+        return out
 
     def window(self, layers: range, bucket_index: int) -> tuple[int, int]:
         """The elements [start, stop) of bucket `bucket_index` that the layers `layers` read: the whole bucket unless
