@@ -14,3 +14,15 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def locks(monkeypatch):
+    """Host-memory locks recorded instead of made (tests/recorded_locks.py): the page-locking tests run on CPU."""
+    from recorded_locks import RecordedLocks
+
+    from accelerate_roundpipe.runtime.devices import pinned
+
+    recorded = RecordedLocks()
+    monkeypatch.setattr(pinned, "CudaHostLocks", lambda: recorded)
+    return recorded

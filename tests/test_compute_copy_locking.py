@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
-from accelerate_roundpipe.runtime.devices import factory, pinned
+from accelerate_roundpipe.runtime.devices import factory
 from accelerate_roundpipe.runtime.devices.stream_model import StreamModelDevice
 from accelerate_roundpipe.runtime.state.host_store import HostStore
 from accelerate_roundpipe.runtime.state.placement import lock_host_optimizer_copies, place_optimizer_state
@@ -23,31 +23,6 @@ from toy_models import batch, plain_adamw_training, tied_model
 
 LR, WEIGHT_DECAY, MAX_NORM = 1e-2, 0.1, 3.0
 TOL = dict(rtol=1e-12, atol=1e-12)
-
-
-class RecordedLocks:
-    """What `CudaHostLocks` would lock and unlock, by data pointer."""
-
-    def __init__(self):
-        self.locked: dict[int, int] = {}
-        self.unlocked: list[int] = []
-
-    def lock(self, buffer):
-        assert buffer.data_ptr() not in self.locked, "locked twice: CUDA refuses it"
-        self.locked[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
-
-    def unlock(self, buffers):
-        for buffer in buffers:
-            self.unlocked.append(buffer.data_ptr())
-            del self.locked[buffer.data_ptr()]
-        return True
-
-
-@pytest.fixture
-def locks(monkeypatch):
-    recorded = RecordedLocks()
-    monkeypatch.setattr(pinned, "CudaHostLocks", lambda: recorded)
-    return recorded
 
 
 def _store(num_blocks: int = 3, frozen: str | None = None) -> HostStore:

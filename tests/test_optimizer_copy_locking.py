@@ -7,39 +7,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from accelerate_roundpipe.runtime.devices import pinned
 from accelerate_roundpipe.runtime.state.host_store import HostStore
 from accelerate_roundpipe.runtime.state.placement import lock_host_optimizer_copies, place_optimizer_state
 
 from toy_models import tied_model
-
-
-class RecordedLocks:
-    """What `CudaHostLocks` would lock and unlock, by data pointer."""
-
-    def __init__(self):
-        self.locked: dict[int, int] = {}
-        self.unlocked: list[int] = []
-
-    def lock(self, buffer):
-        assert buffer.data_ptr() not in self.locked, "locked twice: CUDA refuses it"
-        self.locked[buffer.data_ptr()] = buffer.numel() * buffer.element_size()
-
-    def unlock(self, buffers):
-        for buffer in buffers:
-            self.unlocked.append(buffer.data_ptr())
-            del self.locked[buffer.data_ptr()]
-        return True
-
-
-@pytest.fixture
-def locks(monkeypatch):
-    recorded = RecordedLocks()
-    monkeypatch.setattr(pinned, "CudaHostLocks", lambda: recorded)
-    return recorded
 
 
 def _store() -> HostStore:
