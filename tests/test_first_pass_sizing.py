@@ -115,3 +115,27 @@ def test_the_summary_says_why_the_first_pass_has_more_micro_batches():
     assert "micro-batches: 8 per pass for 8 rows of 4096 tokens (eager attention's scores" in static
     unraised = dataclasses.replace(sizing, count=2)
     assert "2 per pass (2 x devices) on the first pass" in engine_summary(_snapshot("measured", unraised))
+
+
+def test_a_shape_is_sized_once_and_the_host_memory_read_once(monkeypatch):
+    """Every unplanned pass asks for its count (a static plan's every pass): the count of one batch shape must not
+    move with the host's free memory between passes, and the host's memory is not read again on every pass."""
+    from types import SimpleNamespace
+
+    from accelerate_roundpipe.runtime.execution import first_pass
+
+    reads = []
+    free = iter([2 ** 40, 1])  # a roomy host, then one with no memory left: the second read must never happen
+
+    def available():
+        reads.append(1)
+        return next(free)
+
+    monkeypatch.setattr(first_pass, "available_memory_bytes", available)
+    store = SimpleNamespace(buckets=[], window_bytes=lambda layers, grads=False: 0)  # no weights to subtract
+    partition = SimpleNamespace(forward=(SimpleNamespace(layers=range(2)),), backward=())
+    sizer = first_pass.FirstPassSizer(gpt_oss_config(), store, SimpleNamespace(budget_bytes=None), partition)
+    counts = [sizer.size(8, 64, 2).count for _ in range(3)]
+    counts.append(sizer.size(4, 64, 2).count)  # another shape: sized anew, against the memory first read
+    assert counts == [2, 2, 2, 2]
+    assert len(reads) == 1

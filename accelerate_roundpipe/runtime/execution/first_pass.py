@@ -28,20 +28,29 @@ class FirstPassSizer:
                                for span in spans)
         self.element_size = max((b.compute.element_size() for b in store.buckets if b.compute.is_floating_point()),
                                 default=4)
+        # One sizing per batch shape and budget: every unplanned pass asks (a static plan's every pass), and a count
+        # that moved with the host's free memory would change a run's micro-batches, so its rounding and its
+        # dropout streams, from one pass to the next. The host's memory is read once, at the first sizing.
+        self._sizings: dict[tuple[int, int, int, float | None], FirstPassSizing | None] = {}
+        self._host_bytes: float | None = None
 
     def free_bytes(self) -> float:
         """What one micro-batch's activations may use (see the module docstring); read when sizing, since the
         optimizer's placement, made when it is wrapped, lowers the budget."""
         budget = self.plan.budget_bytes
-        if budget is None:  # CPU workers: the host's memory is the device's
-            budget = float(available_memory_bytes())
+        if budget is None:  # CPU workers: the host's memory is the device's, as it was at the first sizing
+            if self._host_bytes is None:
+                self._host_bytes = float(available_memory_bytes())
+            budget = self._host_bytes
         return budget * PLAN_SHARE - self.stage_bytes
 
     def size(self, rows: int, seq_len: int, default_count: int) -> FirstPassSizing | None:
         """The sizing of a batch of `rows` x `seq_len` tokens; None without a decoder config to estimate from."""
         if self.model_config is None:
             return None
-        per_row = row_activations(self.model_config, seq_len, self.element_size)
-        if per_row is None:
-            return None
-        return size_first_pass(per_row, rows, seq_len, default_count, self.free_bytes(), MICROBATCH_CHOICES)
+        key = (rows, seq_len, default_count, self.plan.budget_bytes)
+        if key not in self._sizings:
+            per_row = row_activations(self.model_config, seq_len, self.element_size)
+            self._sizings[key] = None if per_row is None else size_first_pass(
+                per_row, rows, seq_len, default_count, self.free_bytes(), MICROBATCH_CHOICES)
+        return self._sizings[key]

@@ -149,10 +149,12 @@ class ParamResidency:
                 return
             hosts = [buckets[b].current(params.newest)[slice(*params.windows[b])] for b, _ in batch]
             crossing = sum(h.numel() * h.element_size() for h in hosts if h.device.type == "cpu")
-            # the measured rate is page-locked memory's ([Note: compute copies locked where they cross])
-            pageable = any(self.store.uploads_pageable(b, h) for (b, _), h in zip(batch, hosts))
-            timed = params.profile.measure_upload(self.device, crossing) \
-                if params.profile is not None and crossing and not pageable else NO_TIMING
+            timed = NO_TIMING
+            # Timed on a measured pass only, and only from page-locked memory: the measured rate is that memory's
+            # ([Note: compute copies locked where they cross]).
+            if params.profile is not None and crossing and \
+                    not any(self.store.uploads_pageable(b, h) for (b, _), h in zip(batch, hosts)):
+                timed = params.profile.measure_upload(self.device, crossing)
             with timed:
                 events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts)
             params.mark_issued(batch, events)
