@@ -99,3 +99,25 @@ def test_only_the_trainer_clips(tmp_path):
     with pytest.raises(SystemExit):
         run.main(["--workload", "tiny-llama-full-s16-b4", "--system", "roundpipe-engine", "--max-grad-norm", "1",
                   "--out", str(tmp_path / "x.jsonl")])
+
+
+def test_the_record_says_the_micro_batches_a_sized_first_pass_ran():
+    """Without `num_microbatches` the passes run the count that fits the batch ([Note: first-pass micro-batches]);
+    the record must say that count, not the default the engine would give a batch of unknown length."""
+    from accelerate_roundpipe import RoundPipeConfig, wrap_model
+    from accelerate_roundpipe.plan.activation_estimate import row_activations
+    from accelerate_roundpipe.runtime.execution.measured_plan import PLAN_SHARE
+
+    model = tiny_model()
+    model.config._attn_implementation = "eager"  # the scores term: a row's transient grows with seq^2
+    rows, seq = 4, 16
+    probe = wrap_model(copy.deepcopy(model), RoundPipeConfig(devices=["cpu"], summary=False))
+    try:
+        stage_bytes = probe._microbatches.sizer.stage_bytes
+    finally:
+        probe.close()
+    per_row = row_activations(model.config, seq, torch.float32.itemsize).total_bytes
+    budget_gib = (stage_bytes + 1.5 * per_row) / PLAN_SHARE / 2**30  # one row fits, two do not
+    config = RoundPipeConfig(devices=["cpu"], gpu_memory_budget=budget_gib)
+    result = RUNNERS["roundpipe-engine"](model, config, make_batch(64, rows=rows, seq=seq), 1, 1, 1e-3)
+    assert result["num_microbatches"] == rows

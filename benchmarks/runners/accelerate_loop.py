@@ -42,7 +42,7 @@ def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: 
         path = {"api": "RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(...)) stock loop",
                 "mixed_precision": precision, "optimizer": common.describe_optimizer(optimizer.optimizer.inner),
                 "optimizer_placement": common.placement_of(engine)}
-        return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter, path)
+        return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows, seq), meter, path)
     finally:
         common.close_engine(engine)
         common.reset_accelerate_state()

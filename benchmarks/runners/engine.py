@@ -31,6 +31,6 @@ def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, war
             clock.end(step)
         path = {"api": "wrap_model + forward_backward", "optimizer": common.describe_optimizer(optimizer.inner),
                 "optimizer_placement": common.placement_of(engine)}
-        return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter, path)
+        return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows, seq), meter, path)
     finally:
         common.close_engine(engine)

@@ -89,7 +89,7 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
                     "optimizer": common.describe_optimizer(trainer.optimizer.optimizer.inner),
                     "max_grad_norm": max_grad_norm, "lr_scheduler_type": "constant", "logging_steps": logging_steps,
                     "optimizer_placement": common.placement_of(engine)}
-            return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows), meter, path)
+            return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows, seq), meter, path)
         finally:
             common.close_engine(trainer.roundpipe_engine if trainer is not None else None)
             common.reset_accelerate_state()
