@@ -247,8 +247,8 @@ class HostStore:
 
     @property
     def locked_copies(self) -> dict[int, tuple[str, ...]]:
-        """Which host copies of each bucket are page-locked (bucket index -> "compute", "optim"), plain data for the
-        tests and the start summary ([Note: compute copies locked where they cross]). Empty when nothing is pinned."""
+        """Which host copies of each bucket are page-locked (bucket index -> "compute", "optim"), plain data that
+        tests read ([Note: compute copies locked where they cross]). Empty when nothing is pinned."""
         out = {}
         for bucket in self.buckets:
             names = tuple(name for name, locked in (("compute", bucket.index in self._locked_compute),
