@@ -105,3 +105,95 @@ def test_forward_loss_refuses_a_last_layer_without_a_loss():
     with pytest.raises(TypeError, match="0-dim loss per micro-batch"):
         engine.forward_loss(torch.randn(4, 3))
     engine.close()
+
+
+# [Note: results left on the device]: an evaluation's loss can stay where it was computed (the Trainer keeps it on
+# the worker's GPU), with the same value and no host wait.
+
+def test_a_loss_left_on_the_device_equals_the_downloaded_one_and_skips_the_download(data, monkeypatch):
+    """Over 3 micro-batches on two workers: the same loss bitwise, each micro-batch's result handed over (not
+    downloaded) only when asked for."""
+    from accelerate_roundpipe.runtime.devices.device import Device
+
+    tokenizer, _, held_out = data
+    engine = wrap_model(_model(len(tokenizer)), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=3))
+    model = engine.module
+    model.eval()
+    input_ids = torch.tensor(held_out[:6]["input_ids"])
+    handed = []
+    original = Device.hand_to_caller
+    monkeypatch.setattr(Device, "hand_to_caller", lambda self, tensors: handed.append(self.index) or
+                        original(self, tensors))
+    with torch.no_grad():
+        downloaded = model(input_ids=input_ids, labels=input_ids, skip_logits=True).loss
+        assert handed == []
+        with engine.evaluation_losses_on(torch.device("cpu")):
+            kept = model(input_ids=input_ids, labels=input_ids, skip_logits=True).loss
+        assert engine._evaluation_loss_device is None  # the setting ends with the block
+    engine.close()
+    assert len(handed) == 3  # one per micro-batch: the last task of each
+    assert kept.device.type == "cpu" and torch.equal(kept, downloaded)
+
+
+def test_the_trainer_keeps_evaluation_losses_on_the_first_worker_gpu_of_one_process():
+    from types import SimpleNamespace
+
+    def engine(*devices):
+        return SimpleNamespace(config=SimpleNamespace(resolved_devices=lambda: [torch.device(d) for d in devices]))
+
+    def where(world_size, *devices):
+        trainer = SimpleNamespace(args=SimpleNamespace(world_size=world_size))
+        return RoundPipeTrainer._evaluation_loss_device(trainer, engine(*devices))
+
+    assert where(1, "cuda:1", "cuda:0") == torch.device("cuda:1")
+    assert where(2, "cuda:0") is None  # the gather of several processes runs on gloo, over host tensors
+    assert where(1, "cpu", "cpu") is None
+
+
+def test_a_cuda_hand_over_orders_the_callers_stream_and_keeps_the_memory_for_it(monkeypatch):
+    """The caller's current stream waits for the compute stream's event (the host does not), and the tensors are
+    recorded on it so the allocator does not reuse them while it may still read them."""
+    from accelerate_roundpipe.runtime.devices.cuda_device import CudaDevice
+    from accelerate_roundpipe.runtime.devices.payload import Payload
+
+    calls = []
+
+    class Stream:
+        def wait_event(self, event):
+            calls.append(("wait", event))
+
+    class Event:
+        def synchronize(self):
+            calls.append(("host wait",))
+
+    class Tensor:
+        def record_stream(self, stream):
+            calls.append(("record", stream))
+
+    caller = Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    device = CudaDevice.__new__(CudaDevice)
+    device.device = torch.device("cuda:0")
+    event, tensor = Event(), Tensor()
+    payload = Payload((tensor, None), event, None, handover=device._hand_over)
+    assert payload.host() == (tensor, None)
+    assert calls == [("wait", event), ("record", caller)]
+    payload.host()  # handed over once
+    assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_evaluate_on_a_gpu_keeps_the_losses_there_and_equals_the_host_path(data, tmp_path):
+    tokenizer, _, held_out = data
+    args = dict(_args(str(tmp_path / "rp")), use_cpu=False)
+    ours = RoundPipeTrainer(model=_model(len(tokenizer)), eval_dataset=held_out, args=RoundPipeTrainingArguments(
+        **args, roundpipe_devices="cuda:0", roundpipe_num_microbatches=2))
+    batch = next(iter(ours.get_eval_dataloader()))
+    loss, _, _ = ours.prediction_step(ours.model, batch, prediction_loss_only=True)
+    assert loss.device.type == "cuda"
+    on_device = ours.evaluate()["eval_loss"]
+    with mock.patch.object(RoundPipeTrainer, "_evaluation_loss_device", lambda self, engine: None):
+        on_host = ours.evaluate()["eval_loss"]
+    ours.roundpipe_engine.close()
+    assert on_device == on_host
