@@ -213,21 +213,6 @@ def _without_cpu_rng_mode():
         CpuDevice.rng = original
 
 
-@contextlib.contextmanager
-def _without_cpu_rng_mode():
-    """CPU workers' layer runs without their RNG dispatch mode ([Note: CPU worker RNG]): a CUDA worker has none, so
-    what is left is the host work a GPU worker's layer runs also do. The model draws no random numbers (no dropout),
-    so the numbers are the same."""
-    from accelerate_roundpipe.runtime.devices.cpu_device import CpuDevice
-
-    original = CpuDevice.rng
-    CpuDevice.rng = lambda self, seed: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        CpuDevice.rng = original
-
-
 def profile_engine(system: EngineLoop, shape: dict, steps: int, top: int = 40) -> str:
     """cProfile of `steps` engine steps: the caller's thread (cumulative) and every engine thread (own time)."""
     profiler = cProfile.Profile()
