@@ -4,6 +4,7 @@ overlaps, and the same numbers read from a trace a CPU engine run wrote."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +162,33 @@ def test_a_trace_from_a_cpu_engine_run(tmp_path, monkeypatch):
     assert s["upload_bytes_per_step"] >= layers * 0.95 * 2**20
     assert s["download_bytes_per_step"] >= layers * 0.95 * 2**20
     assert rows["d0(cpu) parameter upload"]["bytes_per_step"] <= s["upload_bytes_per_step"]
+
+
+def test_the_bench_group_runs_both_workloads_traced_then_the_tool_on_each_trace(tmp_path):
+    import re
+
+    from test_bench_script_groups import bench
+
+    from benchmarks import run
+
+    workloads = ["qwen3-4b-full-s4096-b8-cap24", "llama3.1-8b-lora-s4096-b8-cap24"]
+    traces = tmp_path / "out" / "traces"
+    traces.mkdir(parents=True)
+    for w in workloads:  # what run.py --trace-dir would have written (the stub python3 runs nothing)
+        (traces / f"{w}-roundpipe-engine-s4096-nNone.json").write_text("{}")
+    done, calls, log = bench(tmp_path, "dense-cap24-profile")
+    assert done.returncode == 0, done.stderr
+    assert [c.split()[0] for c in calls] == ["benchmarks/run.py"] * 2 + ["benchmarks/step_bounds.py"] * 4 + [
+        "benchmarks/call_summary.py"]
+    for call, w in zip(calls, workloads):
+        args = run.parse_args(call.split()[1:])
+        assert (args.workload, args.system, args.nms, args.warm, args.iters, args.roundpipe) == (
+            w, "roundpipe-engine", "auto", 2, 3, {})
+        assert args.trace_dir == str(tmp_path / "out" / "traces")
+    for call, w in zip(calls[2:6], [workloads[0]] * 2 + [workloads[1]] * 2):
+        args = step_bounds.parse_args(call.split()[1:])
+        assert (Path(args.trace).name, args.steps, args.workload) == (
+            f"{w}-roundpipe-engine-s4096-nNone.json", 3, w)
+    assert [step_bounds.parse_args(c.split()[1:]).json for c in calls[2:6]] == [False, True] * 2
+    limits = [int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3 benchmarks/run.py", log, re.M)]
+    assert limits == [150, 200]
