@@ -8,7 +8,8 @@
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
-# disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload).
+# disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
+# dense-cap24-profile.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -27,6 +28,7 @@ WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
+WORKLOADS+=" dense-cap24-profile"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -94,6 +96,16 @@ warm_up() {
   shift 3
   step "$seconds" python3 benchmarks/run.py --out "$OUT/warmup.jsonl" --workload "$workload" --system "$system" \
     --nms auto "$@"
+}
+# step_bounds WORKLOAD: benchmarks/step_bounds.py on each trace the workload's engine runs wrote to $OUT/traces (the
+# last 3 steps, its FLOPs from benchmarks/flops.py): the table on screen and in the log, a record in $OUT/bounds.jsonl.
+step_bounds() {
+  local t
+  for t in "$OUT"/traces/"$1"-roundpipe-engine-*.json; do
+    [ -f "$t" ] || continue
+    python3 benchmarks/step_bounds.py "$t" --steps 3 --workload "$1" 2>&1 | tee -a "$LOG"
+    python3 benchmarks/step_bounds.py "$t" --steps 3 --workload "$1" --json >>"$OUT/bounds.jsonl" 2>>"$LOG"
+  done
 }
 reference() { step "$1" python3 .anchors/rp.py "${@:2}"; }
 in_gpu_liger() { step "$1" python3 .anchors/ingpu.py --liger "${@:2}"; }
@@ -259,6 +271,13 @@ run_ours() {
   disk-8b)  # Llama-3.1-8B full fine-tune with host_memory_budget=96 (its 134 GiB of host state do not fit)
     ours 540 llama3.1-8b-full-s4096-b8 roundpipe-engine --warm 2 --iters 3 --disk-probe \
       --roundpipe host_memory_budget=96 ;;
+  dense-cap24-profile)  # issue 32 item 4, dense under the cap: Qwen3-4B full fine-tune and Llama-3.1-8B LoRA on a
+    # 24 GiB card, the engine at its defaults, traced; where each step's time goes against the compute, PCIe and
+    # host-step bounds (benchmarks/step_bounds.py on each trace, $OUT/bounds.jsonl)
+    ours 150 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --trace-dir "$OUT/traces"
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --trace-dir "$OUT/traces"
+    step_bounds qwen3-4b-full-s4096-b8-cap24
+    step_bounds llama3.1-8b-lora-s4096-b8-cap24 ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
