@@ -182,25 +182,12 @@ def test_a_cuda_hand_over_orders_the_callers_stream_and_keeps_the_memory_for_it(
     assert len(calls) == 2
 
 
-class _Rows(torch.utils.data.Dataset):
-    """Token rows without the `datasets` library (the GPU machine may not have it)."""
-
-    def __init__(self, vocab_size: int, rows: int = 10, length: int = 32) -> None:
-        self.ids = torch.randint(0, vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_evaluate_on_a_gpu_keeps_the_losses_there_and_equals_the_host_path(tmp_path):
-    vocab_size = 128
+def test_evaluate_on_a_gpu_keeps_the_losses_there_and_equals_the_host_path(data, tmp_path):
+    tokenizer, _, held_out = data
     args = dict(_args(str(tmp_path / "rp")), use_cpu=False)
-    ours = RoundPipeTrainer(model=_model(vocab_size), eval_dataset=_Rows(vocab_size), args=RoundPipeTrainingArguments(
+    ours = RoundPipeTrainer(model=_model(len(tokenizer)), eval_dataset=held_out, args=RoundPipeTrainingArguments(
         **args, roundpipe_devices="cuda:0", roundpipe_num_microbatches=2))
     batch = next(iter(ours.get_eval_dataloader()))
     loss, _, _ = ours.prediction_step(ours.model, batch, prediction_loss_only=True)
@@ -209,4 +196,4 @@ def test_evaluate_on_a_gpu_keeps_the_losses_there_and_equals_the_host_path(tmp_p
     with mock.patch.object(RoundPipeTrainer, "_evaluation_loss_device", lambda self, engine: None):
         on_host = ours.evaluate()["eval_loss"]
     ours.roundpipe_engine.close()
-    assert abs(on_device - on_host) < 1e-12, (on_device, on_host)
+    assert on_device == on_host
