@@ -286,19 +286,9 @@ class RoundPipeTrainer(Trainer):
         """`Trainer.prediction_step`. When only the loss is wanted (`evaluate()` without `compute_metrics`) and the
         model's own loss is all of it, the pipeline's head computes it and no logits are made: HF's `skip_logits`
         ([Note: evaluation loss] in `models/causal_lm.py`)."""
-        engine = self.roundpipe_engine
-        if prediction_loss_only and self._runs_fused_step(engine, inputs):
+        if prediction_loss_only and self._runs_fused_step(self.roundpipe_engine, inputs):
             inputs = {**inputs, "skip_logits": True}
-            with engine.evaluation_losses_on(self._evaluation_loss_device(engine)):
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-
-    def _evaluation_loss_device(self, engine: CausalLMRoundPipe) -> torch.device | None:
-        """Where an evaluation's losses are kept until the Trainer reads them at the end: the first worker's GPU,
-        as the plain Trainer keeps them on its GPU ([Note: results left on the device]); the host with several
-        processes (the gather runs on gloo, over host tensors) or CPU workers."""
-        first = engine.config.resolved_devices()[0]
-        return first if first.type == "cuda" and self.args.world_size <= 1 else None
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is not None:

@@ -30,10 +30,8 @@ it, so what it changes would be lost.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,7 +119,6 @@ class CausalLMRoundPipe(RoundPipe):
                       config.mlp_chunk_tokens)
         super().__init__(model, config, layers=split.layers, allow_short_batches=allow_short_batches)
         object.__setattr__(self, "split", split)
-        self._evaluation_loss_device: torch.device | None = None  # [Note: results left on the device]
         self.fused_kernels = kernels_applied  # Liger kernels applied to the decoder layers (see models/kernels.py)
         self.train(model.training)
         # The user's object keeps its identity; its methods route through the engine
@@ -258,18 +255,7 @@ class CausalLMRoundPipe(RoundPipe):
         if num_items_in_batch is None:
             num_items_in_batch = int((labels[:, 1:] != IGNORE_INDEX).sum())
         return self.forward_loss(*self.split.prepare_inputs(labels=labels, num_items_in_batch=num_items_in_batch,
-                                                            **batch), on_device=self._evaluation_loss_device)
-
-    @contextlib.contextmanager
-    def evaluation_losses_on(self, device: torch.device | None) -> Iterator[None]:
-        """Inside, the loss-only evaluation (`skip_logits`) returns its loss on `device` without a host wait
-        ([Note: results left on the device]); None keeps it on the host. `RoundPipeTrainer.prediction_step` sets
-        it to the worker's GPU, where the plain Trainer keeps its evaluation losses."""
-        previous, self._evaluation_loss_device = self._evaluation_loss_device, device
-        try:
-            yield
-        finally:
-            self._evaluation_loss_device = previous
+                                                            **batch))
 
     def _fused_lm_head_output(self, batch: dict[str, Any], labels, shift_labels, num_items_in_batch):
         """What TRL's fused LM head returns for `model(**batch, labels=labels, fused_lm_head=True)`, computed by the

@@ -82,13 +82,6 @@ class CudaDevice(Device):
     def _hold(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)
 
-    def _hand_over(self, tensors: tuple, event) -> None:
-        caller = torch.cuda.current_stream(self.device)  # the calling thread's ([Note: results left on the device])
-        caller.wait_event(event)
-        for t in tensors:
-            if t is not None:
-                t.record_stream(caller)
-
     def _fits(self, size: int, limit_bytes: int) -> bool:
         return torch.cuda.memory_allocated(self.device) + size <= limit_bytes
 

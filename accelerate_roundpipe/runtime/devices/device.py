@@ -334,23 +334,6 @@ class Device(abc.ABC):
         host, event = self._download(tensors, self.act_out, track="activation download")
         return Payload(host, event)
 
-    def hand_to_caller(self, tensors: tuple) -> Payload:
-        """[Note: results left on the device]
-        An evaluation's loss stays on the device that computed it, as a plain model's does on a GPU: downloaded,
-        the caller read it only after a host wait for the GPU's last kernels of the batch, so the host stopped
-        queueing the next batch until then and every evaluation batch paid the GPU's tail (the Trainer keeps its
-        losses on the device and reads them once, at the end). The caller's current stream is ordered after the
-        compute stream's event (`_hand_over`), so nothing it queues reads the tensors early and the allocator
-        does not reuse their memory while its stream may still read them. Only for results the caller asked to
-        keep on the device (`PassPlan.outputs_on_device`)."""
-        return Payload(tuple(None if t is None else t.detach() for t in tensors), self.compute_stream.record_event(),
-                       None, handover=self._hand_over)
-
-    def _hand_over(self, tensors: tuple, event) -> None:
-        """Order the calling thread's current stream after `event` and keep `tensors` for it (a device whose work is
-        done when issued needs only the event)."""
-        event.synchronize()
-
     def download_grads_into(self, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Payload:
         """Copy each flat device gradient into the host buffer `outs[i]` (or, for a bucket kept on a device, the device
         buffer), converting to its dtype on the way (on the device, a slice at a time, so the converted copy never

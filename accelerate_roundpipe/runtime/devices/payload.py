@@ -15,25 +15,19 @@ NO_SPAN = (_nothing, _nothing)  # the (begin, finish) of a span that is not reco
 
 class Payload:
     """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
-    worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait), or left on the
-    device for the caller (`handover` set: [Note: results left on the device])."""
+    worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
 
-    __slots__ = ("tensors", "event", "worker_index", "handover")
+    __slots__ = ("tensors", "event", "worker_index")
 
-    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None, handover=None) -> None:
+    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None) -> None:
         self.tensors = tensors
         self.event = event
         self.worker_index = worker_index
-        self.handover = handover  # (tensors, event) -> None: orders the caller's stream after `event`
 
     def host(self) -> tuple:
-        """The tensors, once readable by the CPU; tensors left on the device, once the caller's current stream is
-        ordered after them (the host does not wait)."""
+        """The tensors, once readable by the CPU."""
         if self.event is not None:
-            if self.handover is not None:
-                self.handover(self.tensors, self.event)
-            else:
-                self.event.synchronize()
+            self.event.synchronize()
             self.event = None
         return self.tensors
 

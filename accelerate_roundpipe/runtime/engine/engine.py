@@ -261,27 +261,21 @@ class RoundPipe(HostResidentModule):
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     @torch.no_grad()
-    def forward_loss(self, *inputs: torch.Tensor, on_device: torch.device | str | None = None) -> torch.Tensor:
+    def forward_loss(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Forward pipeline without gradients whose last layer returns each micro-batch's share of a loss (0-dim):
-        their sum. An evaluation's loss, its logits never leaving the devices ([Note: evaluation loss]). With
-        `on_device`, the sum is on that device and the host never waits for it
-        ([Note: results left on the device]); else it is on the host, read when this returns."""
-        pieces = self._forward_pieces(inputs, keep_for_backward=False, outputs_on_device=on_device is not None)[2]
-        losses = [piece[0] for piece in pieces]
+        their sum. An evaluation's loss, its logits never leaving the devices ([Note: evaluation loss])."""
+        losses = [piece[0] for piece in self._forward_pieces(inputs, keep_for_backward=False)[2]]
         if any(loss.dim() for loss in losses):
             raise TypeError("forward_loss needs a last layer that returns a 0-dim loss per micro-batch.")
-        if on_device is not None:
-            losses = [loss.to(on_device, non_blocking=True) for loss in losses]
         return torch.stack(losses).sum()
 
-    def _forward_pieces(self, inputs: tuple, keep_for_backward: bool,
-                        outputs_on_device: bool = False) -> tuple[Any, Any, list[tuple]]:
+    def _forward_pieces(self, inputs: tuple, keep_for_backward: bool) -> tuple[Any, Any, list[tuple]]:
         self._before_pass(inputs)
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
         adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
         plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
-                                                  keep_for_backward, adapter_setting, outputs_on_device)
+                                                  keep_for_backward, adapter_setting)
         self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
         return plan, results, [output.host() for output in results.take_outputs(self._failure)]
 

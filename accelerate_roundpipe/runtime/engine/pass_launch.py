@@ -63,11 +63,9 @@ class PassLauncher:
                                  profile=self.plan.profile_for_pass(num_layers))
 
     def forward_pass(self, training: bool, mb_inputs: list[tuple], inputs: tuple, keep_for_backward: bool,
-                     adapter_setting: tuple, outputs_on_device: bool = False) -> tuple[PassPlan, PassResults]:
+                     adapter_setting: tuple) -> tuple[PassPlan, PassResults]:
         """The plan and the results store of the next `model(...)` pass; one not kept for a backward (evaluation,
-        prediction, generation) reads the newest weights: every step taken, and looking changes nothing. With
-        `outputs_on_device`, its results stay on the devices that computed them
-        ([Note: results left on the device])."""
+        prediction, generation) reads the newest weights: every step taken, and looking changes nothing."""
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
         optimizer = self.threads.optimizer
@@ -77,7 +75,7 @@ class PassLauncher:
         plan = PassPlan(self.passes.new_pass_index(), Mode.FORWARD, training, tuple(x[0].shape[0] for x in mb_inputs),
                         saved, keep_limit_bytes=self.plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
                         reads_newest=not keep_for_backward, adapter_setting=adapter_setting,
-                        rng_stream=self.passes.new_rng_stream(training), outputs_on_device=outputs_on_device)
+                        rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index)
 
     def follow_adapter_switches(self, training: bool) -> tuple:

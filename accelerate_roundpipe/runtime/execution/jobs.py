@@ -47,8 +47,6 @@ class PassPlan:
     # The key of its layers' RNG streams: the count of training passes before it, or -(n + 1) for the n-th
     # evaluation pass ([Note: RNG streams of passes] in rng_streams.py).
     rng_stream: int = 0
-    # The caller's results stay on the device that computed them ([Note: results left on the device]).
-    outputs_on_device: bool = False
 
     @property
     def num_microbatches(self) -> int:

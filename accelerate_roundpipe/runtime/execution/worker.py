@@ -204,8 +204,6 @@ class Worker:
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
 
     def _send_next(self, job: TaskJob, tensors: tuple) -> Payload:
-        if job.next_worker is None and job.plan.outputs_on_device:
-            return self.device.hand_to_caller(tensors)  # [Note: results left on the device]
         return self.device.send(tensors, keep_on_device=job.next_worker == self.device.index)
 
     # ----------------------------------------------------------------- task kinds
