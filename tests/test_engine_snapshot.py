@@ -32,7 +32,8 @@ def _summary_as_before(engine) -> str:
     config, store = engine.config, engine.host_store
     devices = ", ".join(str(d.device) for d in engine.devices)
     plan = config.resolved_plan
-    replan = " (re-planned from the first pass's measured costs)" if plan == "measured" else ""
+    replan = " for the first pass; re-planned from its measured costs (the next `plan:` line)" if plan == "measured" \
+        else ""
     num_devices = len(engine.devices)
     if config.num_microbatches is not None:
         count = f"{config.num_microbatches} per pass (num_microbatches)"

@@ -88,10 +88,12 @@ def test_a_transfer_bound_run_is_said_after_the_replan_with_the_batch_that_would
     transfer = plan.transfer_plan
     assert transfer.transfer_bound and transfer.batch_to_hide > 8
     lines = [line.removeprefix(PREFIX) for line in err.splitlines()]
-    assert lines == [f"  transfers: {transfer.summary()}"]
-    assert lines[0].startswith(f"  transfers: transfer-bound at {transfer.num_microbatches} micro-batch")
+    # The partition the later passes run comes first: the start summary showed the first pass's.
+    assert lines == [f"  plan: measured from the first pass, {transfer.planned.partition}",
+                     f"  transfers: {transfer.summary()}"]
+    assert lines[1].startswith(f"  transfers: transfer-bound at {transfer.num_microbatches} micro-batch")
     assert f"a batch of {transfer.batch_to_hide} rows ({transfer.rows_per_microbatch_to_hide} per micro-batch) " \
-           f"would hide it" in lines[0]
+           f"would hide it" in lines[1]
     replan(50 * MB, rows=16, num_mb=4, summary=False)
     assert capsys.readouterr().err == ""  # ROUNDPIPE_SUMMARY=0 silences it with the rest of the summary
 
@@ -125,6 +127,10 @@ def test_the_measured_pass_times_every_weight_upload_and_the_summary_says_so(cap
     err = capsys.readouterr().err
     assert f"{PREFIX}  transfers: {transfer.summary()}" in err.splitlines()
     assert f"{PREFIX}  transfers: uploads hide under compute at " in err
+    # The start summary's partition is the first pass's, and says so; the re-plan prints the one that runs now.
+    first = next(line for line in err.splitlines() if line.startswith(f"{PREFIX}  plan: measured, "))
+    assert first.endswith(" for the first pass; re-planned from its measured costs (the next `plan:` line)")
+    assert f"{PREFIX}  plan: measured from the first pass, {engine.partition}" in err.splitlines()
     engine.close()
 
 

@@ -53,6 +53,12 @@ def _microbatches(snapshot: EngineSnapshot) -> str:
     return f"{count}, {rounds}"
 
 
+def replanned_line(partition) -> str:
+    """The summary's second `plan:` line, printed at the measured plan's re-plan: the partition every later pass runs
+    (the start summary shows the first pass's, which the re-plan replaces)."""
+    return f"  plan: measured from the first pass, {partition}"
+
+
 def transfers_line(transfer_plan: TransferPlan) -> str:
     """The summary's `transfers:` line, printed after the measured plan's re-plan (the first pass measured what
     it says): whether the plan is transfer-bound, and which batch would hide its uploads
@@ -92,7 +98,10 @@ def engine_summary(snapshot: EngineSnapshot) -> str:
     """The start summary of an engine, from its snapshot, as lines of text (see the module docstring)."""
     store, placement, group = snapshot.store, snapshot.placement, snapshot.data_parallel
     devices = ", ".join(d.name for d in snapshot.devices)
-    replan = " (re-planned from the first pass's measured costs)" if snapshot.plan == "measured" else ""
+    # The summary is printed before the first pass: the partition it shows is that pass's, and the re-plan prints
+    # the one the later passes run (`replanned_line`).
+    replan = " for the first pass; re-planned from its measured costs (the next `plan:` line)" \
+        if snapshot.plan == "measured" else ""
     lines = [
         f"RoundPipe is on: {len(snapshot.devices)} worker(s) ({devices}), {snapshot.layers} pipeline layers",
         f"  plan: {snapshot.plan}, {snapshot.partition}{replan}",

@@ -33,7 +33,7 @@ from ...plan.microbatch_choice import TransferPlan, choose_microbatches, fewer_m
 from ...plan.partition import Partition
 from ...plan.stage_cost_model import PlanSettings
 from ...plan.transfer_budget import TransferBudget
-from ...telemetry.summary import announce, transfers_line
+from ...telemetry.summary import announce, replanned_line, transfers_line
 from ..common.sync import FailureFlag
 from ..devices.device import Device
 from ..state.host_store import HostStore
@@ -130,7 +130,8 @@ class MeasuredPlan:
                            error)
             return current
         planned, chosen = self.transfer_plan.planned, self.transfer_plan.num_microbatches
-        announce(transfers_line(self.transfer_plan), self.config.resolved_summary)
+        announce(replanned_line(planned.partition) + "\n" + transfers_line(self.transfer_plan),
+                 self.config.resolved_summary)
         if chosen != num_mb:
             logger.info("RoundPipe runs %d micro-batches per batch from now on (measured plan; set num_microbatches "
                         "to choose).", chosen)
