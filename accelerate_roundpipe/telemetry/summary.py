@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from ..plan.microbatch_choice import TransferPlan
+from ..plan.partition import Partition
 from .engine_view import EngineSnapshot, OptimizerView, PlacementView, StoreView
 
 PREFIX = "[roundpipe] "
@@ -53,7 +54,7 @@ def _microbatches(snapshot: EngineSnapshot) -> str:
     return f"{count}, {rounds}"
 
 
-def replanned_line(partition) -> str:
+def replanned_line(partition: Partition) -> str:
     """The summary's second `plan:` line, printed at the measured plan's re-plan: the partition every later pass runs
     (the start summary shows the first pass's, which the re-plan replaces)."""
     return f"  plan: measured from the first pass, {partition}"
