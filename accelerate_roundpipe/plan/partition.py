@@ -58,6 +58,11 @@ class Partition:
         """Forward stages over every layer (forward-only passes): the fused span runs as one more forward stage."""
         return self.forward + (self.fused,)
 
+    def one_stage(self) -> Partition:
+        """Every layer in one stage: what a forward-only pass runs when stages buy nothing ([Note: one-stage
+        evaluation] in runtime/engine/pass_launch.py)."""
+        return Partition(self.num_layers, forward=(), backward=(Span(0, self.num_layers),))
+
     def saved_input_layers(self, recompute: str, fused: bool = True) -> frozenset[int]:
         """Layers whose input the forward pass keeps on the host for the backward's recomputation."""
         backward = self.backward[:-1] if fused else self.backward

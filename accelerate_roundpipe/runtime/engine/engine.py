@@ -276,7 +276,7 @@ class RoundPipe(HostResidentModule):
         adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
         plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
                                                   keep_for_backward, adapter_setting)
-        self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.FORWARD), plan, results, mb_inputs)
+        self._dispatch.enqueue(self._launch.forward_schedule(num_mb, keep_for_backward), plan, results, mb_inputs)
         return plan, results, [output.host() for output in results.take_outputs(self._failure)]
 
     # ------------------------------------------------------------------ control
@@ -394,6 +394,11 @@ class RoundPipe(HostResidentModule):
 
     def schedule(self, num_microbatches: int, mode: Mode | str = Mode.TRAIN) -> list[Task]:
         return self._launch.schedule(num_microbatches, Mode(mode))  # the tasks of a pass, for printing
+
+    def evaluation_schedule(self, num_microbatches: int) -> list[Task]:
+        """The tasks of a `model(...)` pass without gradients (evaluation), for printing
+        ([Note: one-stage evaluation])."""
+        return self._launch.forward_schedule(num_microbatches, keep_for_backward=False)
 
     def num_microbatches_for(self, rows: int, seq_len: int | None = None) -> int:
         """Micro-batches a training pass over `rows` rows (of `seq_len` tokens) runs now: `num_microbatches`, else

@@ -288,6 +288,11 @@ class HostStore:
             used.update(self.layer_buckets[layer])
         return sorted(used)
 
+    def weights_stay_on(self, device: torch.device) -> bool:
+        """Whether every bucket's weights are read from memory on `device` by its tasks: each bucket trainable and
+        at home there ([Note: one-stage evaluation])."""
+        return all(bucket.tier.weights_stay_on(device) for bucket in self.buckets)
+
     @property
     def trainable_buckets(self) -> list[Bucket]:
         return [b for b in self.buckets if b.trainable]

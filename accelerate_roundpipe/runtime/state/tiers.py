@@ -10,7 +10,8 @@ lagged step (`steps_exactly_when_lagged`) and which buckets one optimizer call m
 step policies, the optimizer), whether an exact step leaves the compute copy to be written back later
 (`stale_compute_after_exact_step`) and what a look does (`on_look`: `synchronize()`), the trace track of its steps
 (`track`), whether its uploads and gradients cross PCIe (`crosses_pcie`: the measured profile), whether a task's
-gradients stay on the device that computed them (`grads_stay_on`: the worker's one backward) and the device bytes
+gradients stay on the device that computed them (`grads_stay_on`: the worker's one backward), whether its weights do
+(`weights_stay_on`: [Note: one-stage evaluation]) and the device bytes
 it holds (`device_bytes`). Only this module and the placement (which registers one `DeviceTier` per home device)
 say which tier a bucket is in; nothing else branches on it (tests/test_state_tiers.py counts).
 
@@ -88,6 +89,11 @@ class StateTier:
 
     def grads_stay_on(self, device: torch.device) -> bool:
         """Whether gradients computed on `device` are converted in place there, with no download."""
+        return False
+
+    def weights_stay_on(self, device: torch.device) -> bool:
+        """Whether a task on `device` reads the bucket's weights (after its first step) from memory there, with
+        nothing crossing PCIe ([Note: one-stage evaluation])."""
         return False
 
     def on_look(self, bucket: Bucket) -> None:
@@ -174,6 +180,9 @@ class DeviceTier(StateTier):
             torch.cuda.current_stream(self.device).synchronize()
 
     def grads_stay_on(self, device: torch.device) -> bool:
+        return self.device == device
+
+    def weights_stay_on(self, device: torch.device) -> bool:
         return self.device == device
 
     def on_look(self, bucket: Bucket) -> None:
