@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
-# dense-cap24-profile.
+# dense-cap24-profile, dense-layer-profile.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -28,7 +28,7 @@ WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
-WORKLOADS+=" dense-cap24-profile"
+WORKLOADS+=" dense-cap24-profile dense-layer-profile"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -278,6 +278,11 @@ run_ours() {
     ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --trace-dir "$OUT/traces"
     step_bounds qwen3-4b-full-s4096-b8-cap24
     step_bounds llama3.1-8b-lora-s4096-b8-cap24 ;;
+  dense-layer-profile)  # issue 32 item 4: the kernels of 4 decoder layers at one micro-batch of the cap24 runs
+    # (4 x 4096) on the whole GPU, the engine beside HF + Liger with and without checkpointing
+    # (benchmarks/dense_layer_profile.py): Qwen3-4B full fine-tune, Llama-3.1-8B-shaped LoRA r16
+    step 150 python3 benchmarks/dense_layer_profile.py --model qwen3-4b --out "$OUT/ours.jsonl"
+    step 150 python3 benchmarks/dense_layer_profile.py --model llama3.1-8b --lora --out "$OUT/ours.jsonl" ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
