@@ -2,9 +2,10 @@
 dense runs under the 24 GiB cap are compute-bound at 0.44 of the limit, the compute track 91-100% busy; is it the
 engine's kernels, its recomputation, or the layers' own kernels that HF + Liger runs as slowly?).
 
-A Qwen3 (or Llama, for `llama3.1-8b`) built from a config with `--model`'s layer shapes (Qwen3-4B by default; a vocabulary of 32,000 so the head
-does not dominate), `--layers` decoder layers, bf16, `--batch` rows of `--seq` tokens (one micro-batch of the b8 run
-under the cap), on the whole GPU. Every system trains every parameter with AdamW (lr 0: the weights stay equal, so
+A Qwen3 (a Llama for `llama3.1-8b`) built from a config with `--model`'s layer shapes (Qwen3-4B by default; a
+vocabulary of 32,000 so the head does not dominate), `--layers` decoder layers, bf16, `--batch` rows of `--seq`
+tokens (one micro-batch of the b8 run under the cap), on the whole GPU. Every system trains every parameter (or the
+adapters, `--lora`) with AdamW (lr 0: the weights stay equal, so
 each profiled step computes the same numbers) and is profiled by `moe_layer_profile.profile_steps` (wall and GPU
 busy time a step, kernels by kind, the operators that launched the most GPU time):
 - `hf-liger`: HF with Liger's kernels on the instance (what the in-GPU anchor runs), no checkpointing;
