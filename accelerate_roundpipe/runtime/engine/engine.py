@@ -305,6 +305,17 @@ class RoundPipe(HostResidentModule):
             self.optimizer.synchronize()
         self._failure.check()
 
+    def wait_for_work(self) -> None:
+        """Wait for every task and optimizer step queued so far, without a look: unlike `synchronize()`, nothing is
+        copied into the compute copies (a look at buckets stepped on a GPU downloads all of them), so the work
+        waited for is what a training loop runs. For timing steps; `self.module` may show older weights after it."""
+        self._failure.check()
+        self._dispatch.wait_inflight()
+        self._deferred.wait_idle()
+        if self.optimizer is not None:
+            self.optimizer.wait_for_steps()
+        self._failure.check()
+
     def synchronize_ranks(self) -> None:
         """`synchronize()`, then, under data parallelism, wait until every rank got here: every collective of every
         rank's steps is then done, so a rank may leave ([Note: end of a data-parallel run]). Call it on every rank

@@ -367,6 +367,12 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         for bucket in self._held_writebacks:
             bucket.versions.forget_stash()
 
+    def wait_for_steps(self) -> None:
+        """Wait for every step queued so far and no more: the compute copies stay as the steps left them (no look,
+        no write-back), as in a training loop's steady state; the engine waits for the passes in flight first."""
+        self.thread.wait_idle()
+        self.failure.check()
+
     def synchronize(self) -> None:
         """Wait for every step and show the newest weights in the compute copies; the engine waits for the passes
         in flight first."""
