@@ -73,6 +73,8 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
+        # Whether a look showed every held step ([Note: held steps shown on the caller's thread]).
+        self._holds_shown = True
         self._stale_compute: dict[int, Bucket] = {}  # exact steps not yet written back
         self._clip: GradientClip | None = None  # the clip the next step() applies ([Note: clipping without a drain])
         self._check_params()
@@ -271,8 +273,10 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                                    if bucket.tier.stale_compute_after_exact_step)
 
     def hold_writeback(self, bucket: Bucket) -> None:
-        """`bucket` got a lagged step whose write-back waits for the next iteration's reads."""
+        """`bucket` got a lagged step whose write-back waits for the next iteration's reads (at `step()`, on the
+        caller's thread, before the step itself runs)."""
         self._held_writebacks.append(bucket)
+        self._holds_shown = False
 
     def write_back_after_failure(self, timeout_s: float = 10.0) -> None:
         """After a failure: once the optimizer thread has no job left (they are skipped or aborted at once), write
@@ -342,14 +346,23 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         one compute-sized host buffer per held bucket until the next training pass."""
         if not self.has_held_steps:
             return
-        self.thread.wait_idle()  # the held buckets' lagged steps are done: their optimizer copies are the newest
+        # The held buckets' lagged steps are done, and the write-backs released before them, which drop the stash
+        # of an earlier look (`show_newest` below keeps a bucket's stash as it finds it).
+        self.thread.wait_idle()
         for bucket in self._held_writebacks:
             bucket.versions.show_newest()
+        self._holds_shown = True
 
     @property
     def has_held_steps(self) -> bool:
-        """Lagged steps whose newest weights the compute copies do not show yet."""
-        return any(bucket.stash is None for bucket in self._held_writebacks)
+        """[Note: held steps shown on the caller's thread]
+        Lagged steps whose newest weights the compute copies do not show yet. Answered from what the caller's
+        thread did (a `step()` holding write-backs, a look showing them), never from the buckets' stashes: those
+        change on the optimizer thread. Asked of the stashes, an evaluation right after `step()` that came after an
+        earlier look found the earlier look's stash still there (the released write-back that drops it had not run
+        yet), took the new step as shown and read the weights one step old: every other evaluation of a run that
+        evaluated each step, whenever the host step was slower than the caller (tests/test_lagged_evaluation.py)."""
+        return bool(self._held_writebacks) and not self._holds_shown
 
     def hold_shown(self, buckets: list[Bucket]) -> None:
         """Hold the write-backs of `buckets`, whose stashes a checkpoint restored: the next training pass reads
@@ -366,6 +379,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         """The compute copies were loaded from outside: the next pass reads them, not a stash."""
         for bucket in self._held_writebacks:
             bucket.versions.forget_stash()
+        self._holds_shown = False  # as the stashes say now: a look shows the held steps again
 
     def wait_for_steps(self) -> None:
         """Wait for every step queued so far and no more: the compute copies stay as the steps left them (no look,
