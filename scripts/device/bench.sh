@@ -311,6 +311,9 @@ run_anchors() {
       --section lora-8b-cap24-liger
     reference 150 --model llama3.1-8b --lora --seqs 4096 --gb 8 --nms 4 --iters 3 --cap 24 \
       --section lora-8b-cap24-reference ;;
+  trainer-1.7b)  # the in-GPU anchor on the Trainer run's settings and step counts
+    in_gpu_liger 60 --model qwen3-1.7b --mode bf16 --seqs 4096 --gb 8 --mbs 8 --warm 2 --iters 8 \
+      --section trainer-1.7b-liger ;;
   placement)  # the in-GPU anchor on the same settings and step counts (the reference is in qwen3-1.7b's anchors)
     in_gpu_liger 60 --model qwen3-1.7b --mode bf16 --seqs 4096 --gb 8 --mbs 8 --warm 2 --iters 8 \
       --section placement-liger ;;
