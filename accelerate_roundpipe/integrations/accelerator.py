@@ -230,7 +230,8 @@ class RoundPipeAccelerator(accelerate.Accelerator):
         return send_to_device(collective(send_to_device(tensor, device), *args), torch.device("cpu"))
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """The norm of the gradients RoundPipe holds for `parameters` (this step's, exact), clipped in place."""
+        """The norm of the gradients RoundPipe holds for `parameters` (this step's, exact), clipped in place: by the
+        step, or by a look before it, which then shows the clipped gradients ([Note: a clip applied by a look])."""
         return clip_grad_norm(list(parameters), self._roundpipe_engines, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters, clip_value):

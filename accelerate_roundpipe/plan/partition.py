@@ -59,8 +59,8 @@ class Partition:
         return self.forward + (self.fused,)
 
     def one_stage(self) -> Partition:
-        """Every layer in one stage: what a forward-only pass runs when stages buy nothing ([Note: one-stage
-        evaluation] in runtime/engine/pass_launch.py)."""
+        """Every layer in one stage: what a forward-only pass runs when stages buy nothing
+        ([Note: one-stage evaluation] in runtime/engine/pass_launch.py)."""
         return Partition(self.num_layers, forward=(), backward=(Span(0, self.num_layers),))
 
     def saved_input_layers(self, recompute: str, fused: bool = True) -> frozenset[int]:

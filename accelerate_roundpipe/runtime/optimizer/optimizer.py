@@ -388,10 +388,13 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.failure.check()
 
     def synchronize(self) -> None:
-        """Wait for every step and show the newest weights in the compute copies; the engine waits for the passes
-        in flight first."""
+        """Wait for every step and show the newest weights in the compute copies, and a clip measured for the next
+        step in the gradients ([Note: a clip applied by a look]); the engine waits for the passes in flight first."""
         self.write_back_stale()
         self.thread.wait_idle()
+        clip, self._clip = self._clip, None
+        if clip is not None:  # its measurement is done: the optimizer thread is idle
+            clip.apply_now(self.step_order)
         self.show_newest()
         self.failure.check()
         for bucket in self.store.trainable_buckets:  # the optimizer thread is idle: the device's copies are final

@@ -70,6 +70,23 @@ class GradientClip:
         self.layout.scale(bucket, coefficient)
         return None
 
+    def apply_now(self, buckets: list[Bucket]) -> None:
+        """[Note: a clip applied by a look]
+        `clip_grad_norm_` only measures; its scale is applied as each bucket is stepped
+        ([Note: clipping without a drain]). A look before `step()` (`synchronize()`, which every synchronous reader of gradients goes through:
+        `clip_grad_value_`, a clip of another norm type, the user reading `p.grad`) would show the gradients
+        unclipped, and a value clip would cut them before the norm scaled them, where torch scales first: the
+        weights then left torch's from the next step on. So a look applies the clip now, as torch does at
+        `clip_grad_norm_`: every bucket's gradients multiplied in place by the clamped coefficient, while nothing
+        runs; the step then applies no clip. The same numbers as torch's, to the rounding of a multiply instead of
+        the fused kernel's division ([Note: clip in the kernel])."""
+        coefficient = self.norm_coefficient()
+        if coefficient == 1.0:
+            return
+        for bucket in buckets:
+            if bucket.grad_valid:
+                self.layout.scale(bucket, coefficient)
+
     def norm_coefficient(self) -> float:
         return self.norm.clip_coefficient(self.failure)
 
