@@ -73,9 +73,10 @@ class GradientClip:
     def apply_now(self, buckets: list[Bucket]) -> None:
         """[Note: a clip applied by a look]
         `clip_grad_norm_` only measures; its scale is applied as each bucket is stepped
-        ([Note: clipping without a drain]). A look before `step()` (`synchronize()`, which every synchronous reader of gradients goes through:
-        `clip_grad_value_`, a clip of another norm type, the user reading `p.grad`) would show the gradients
-        unclipped, and a value clip would cut them before the norm scaled them, where torch scales first: the
+        ([Note: clipping without a drain]). A look before `step()` (`synchronize()`, which every synchronous reader
+        of gradients goes through: `clip_grad_value_`, a clip of another norm type, the user reading `p.grad`)
+        would show the gradients unclipped, and a value clip would cut them before the norm scaled them, where
+        torch scales first: the
         weights then left torch's from the next step on. So a look applies the clip now, as torch does at
         `clip_grad_norm_`: every bucket's gradients multiplied in place by the clamped coefficient, while nothing
         runs; the step then applies no clip. The same numbers as torch's, to the rounding of a multiply instead of
