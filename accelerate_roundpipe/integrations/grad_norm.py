@@ -52,9 +52,20 @@ def gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe
     return holders, involved
 
 
-def _final_gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe]) -> list:
-    """`gradient_holders`, once the engines involved have finished every gradient in flight."""
+def _final_gradient_holders(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], what: str) -> list:
+    """`gradient_holders`, once the engines involved have finished every gradient in flight. Refused under data
+    parallelism: there each rank's `.grad` is its share of the gradient (the ranks' shares are summed in the
+    optimizer step, not in the backward as DDP does), so a clip over them would clip each share, not the global
+    gradient, and the ranks would step apart from DDP's numbers."""
     holders, involved = gradient_holders(parameters, engines)
+    parallel = [engine.data_parallel_world_size for engine in involved if engine.data_parallel_world_size > 1]
+    if parallel:
+        raise ValueError(
+            f"{what} under data parallelism ({parallel[0]} processes) would act on each rank's share of the "
+            f"gradients: RoundPipe sums the ranks' gradients in the optimizer step, not in the backward, so it "
+            f"cannot clip the global gradient that way. Clip with the L2 norm over all the model's trainable "
+            f"parameters (`accelerator.clip_grad_norm_(model.parameters(), max_norm)`, the Trainer's "
+            f"`max_grad_norm`), which is exact across ranks, or train in one process.")
     for engine in involved:
         engine.synchronize()
     return holders
@@ -67,7 +78,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], engines: list[RoundPipe],
     optimizer = _whole_engine_optimizer(parameters, engines) if float(norm_type) == 2.0 else None
     if optimizer is not None:
         return optimizer.clip_grad_norm_(max_norm)
-    return torch.nn.utils.clip_grad_norm_(_final_gradient_holders(parameters, engines), max_norm, norm_type=norm_type)
+    what = f"clip_grad_norm_ with norm_type={norm_type}" if float(norm_type) != 2.0 else \
+        "clip_grad_norm_ that no one engine's optimizer can take (some parameters, several engines, none wrapped)"
+    return torch.nn.utils.clip_grad_norm_(_final_gradient_holders(parameters, engines, what), max_norm,
+                                          norm_type=norm_type)
 
 
 def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundPipe]) -> RoundPipeOptimizer | None:
@@ -87,7 +101,7 @@ def _whole_engine_optimizer(parameters: list[torch.Tensor], engines: list[RoundP
 
 
 def clip_grad_value(parameters: Iterable[torch.Tensor], engines: list[RoundPipe], clip_value: float) -> None:
-    torch.nn.utils.clip_grad_value_(_final_gradient_holders(parameters, engines), clip_value)
+    torch.nn.utils.clip_grad_value_(_final_gradient_holders(parameters, engines, "clip_grad_value_"), clip_value)
 
 
 class LateGradNorm:

@@ -438,3 +438,41 @@ def lora_counts_the_global_batch(rank: int, world_size: int, reference_path: str
     assert any(not torch.equal(adapters[n], p) for n, p in lora_model("llama", ["q_proj", "v_proj", "down_proj"])
                .named_parameters() if n in adapters), "the step changed no adapter"
     engine.close()
+
+
+def clips_of_rank_shares_are_refused(rank: int, world_size: int) -> dict:
+    """Under data parallelism each rank's `.grad` is its share of the gradient: a value clip, another norm type or
+    a clip of some parameters would clip the shares, not the global gradient, so they are refused by name; the L2
+    clip of every parameter (the Trainer's) still runs and is the global norm."""
+    from accelerate_roundpipe.integrations.grad_norm import clip_grad_norm, clip_grad_value
+
+    rows = 8
+    model = tied_model()
+    engine, optimizer = make_engine(model)
+    refused = {}
+    try:
+        x, mask, y = batch(rows=rows, seed=3)
+        part = rank_rows(rows, rank, world_size)
+        engine.forward_backward(x[part], mask[part], labels=y[part], loss_fn=nn.functional.cross_entropy)
+        params = list(engine.module.parameters())
+        inf = float("inf")
+        attempts = {
+            "clip_grad_value_": lambda: clip_grad_value(params, [engine], 0.01),
+            "clip_grad_norm_ with norm_type=inf": lambda: clip_grad_norm(params, [engine], 0.1, norm_type=inf),
+            "clip_grad_norm_ that no one engine's optimizer can take": lambda: clip_grad_norm(params[:2], [engine],
+                                                                                              0.1),
+        }
+        for what, attempt in attempts.items():
+            try:
+                attempt()
+            except ValueError as error:
+                refused[what] = str(error).startswith(what) and "data parallelism (2 processes)" in str(error)
+        norm = float(clip_grad_norm(params, [engine], 0.1))
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.synchronize()
+    finally:
+        engine.close()
+    _, expected = reference_loss_and_grads(model, x, mask, y)
+    global_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in expected.values()])))
+    return {"refused": refused, "norm": norm, "global_norm": global_norm, "world_size": engine.data_parallel_world_size}

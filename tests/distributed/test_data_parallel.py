@@ -134,3 +134,13 @@ def test_a_one_process_engine_loads_every_ranks_shard_as_the_one_process_state(t
         for key, value in values.items():
             torch.testing.assert_close(state["state"][index][key], value, rtol=1e-10, atol=0, msg=f"{index}.{key}")
     engine.close()
+
+
+def test_clips_of_each_ranks_share_are_refused_and_the_l2_clip_is_global():
+    """A value clip, another norm type or a clip of some parameters would clip each rank's share of the gradient,
+    where DDP clips the global one: refused by name; the L2 clip of every parameter is the global norm."""
+    for report in run_ranks(dp_scenarios.clips_of_rank_shares_are_refused, 2):
+        assert report["world_size"] == 2
+        assert report["refused"] == {"clip_grad_value_": True, "clip_grad_norm_ with norm_type=inf": True,
+                                     "clip_grad_norm_ that no one engine's optimizer can take": True}, report
+        assert abs(report["norm"] - report["global_norm"]) <= 1e-10 * report["global_norm"], report

@@ -226,6 +226,13 @@ class RoundPipe(HostResidentModule):
         self._deferred.awaiting_backward(results.deferred)
         return DeferredLoss.apply(self, self._deferred, results.deferred, torch.empty(0, requires_grad=True), total)
 
+    @property
+    def data_parallel_world_size(self) -> int:
+        """The processes this engine trains with over torch.distributed (1: one process). Under data parallelism
+        each rank's `p.grad` holds its share of the gradient, the ranks' sum being the global one
+        ([Note: data parallel])."""
+        return self._exchange.world_size
+
     def sum_over_ranks(self, values: list[float], what: str) -> list[float]:
         """`values` (at most three) summed over the data-parallel ranks (on one process, `values`), on the caller's
         thread; every rank calls it at the same point. A failure fails the engine too ([Note: data parallel])."""
