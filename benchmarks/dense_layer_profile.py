@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.models import init_weights, make_batch  # noqa: E402
 from benchmarks.moe_layer_profile import profile_steps  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
 
@@ -60,19 +61,8 @@ def build_model(model: str, layers: int, seq: int, device: str, dtype: torch.dty
     config._attn_implementation = "sdpa"
     with torch.device(device):
         built = getattr(transformers, f"{family}ForCausalLM")(config).to(dtype)
-    with torch.no_grad():
-        generator = torch.Generator(device).manual_seed(0)
-        for name, p in built.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.02, generator=generator)
-            else:
-                p.fill_(1.0 if "norm" in name else 0.0)
+    init_weights(built, torch.Generator(device).manual_seed(0))
     return built.train()
-
-
-def make_batch(vocab: int, rows: int, seq: int) -> dict:
-    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -66,14 +66,7 @@ def build_model(arch: str, seq: int, lora: bool, dtype: torch.dtype = torch.bflo
     with cap_lifted():
         with torch.device(build_on):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim >= 2:
-                    p.normal_(0.0, 0.02)
-                elif "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.zero_()
+        init_weights(model)
         if lora:  # PEFT makes its adapters on the CPU and moves them beside their layers
             from peft import get_peft_model
 
@@ -82,6 +75,16 @@ def build_model(arch: str, seq: int, lora: bool, dtype: torch.dtype = torch.bflo
         model = model.to("cpu")
     model.train()
     return model
+
+
+def init_weights(model: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """The benchmarks' random init, in place: N(0, 0.02) matrices, norms 1, the rest 0."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.02, generator=generator)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
 
 
 def make_batch(vocab_size: int, rows: int, seq: int, seed: int = 0) -> dict:

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.memory import is_oom  # noqa: E402
+from benchmarks.models import init_weights, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
 
 # Qwen3-30B-A3B's layer shapes, 4 layers, a 32K vocabulary.
@@ -100,19 +101,8 @@ def build_model(shape: dict, seq: int, device: str, dtype: torch.dtype):
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = transformers.Qwen3MoeForCausalLM(config).to(dtype)
-    with torch.no_grad():
-        generator = torch.Generator(device).manual_seed(0)
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.02, generator=generator)
-            else:
-                p.fill_(1.0 if "norm" in name else 0.0)
+    init_weights(model, torch.Generator(device).manual_seed(0))
     return model.train()
-
-
-def make_batch(vocab: int, rows: int, seq: int) -> dict:
-    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def synchronize(device: str) -> None:

@@ -37,16 +37,16 @@ class StepClock:
         return (self.stop - self.start) / self.iters
 
 
-def engine_synchronizer(get_engine: Callable, cuda_indices: list[int]) -> Callable[[], None]:
+def engine_waiter(get_engine: Callable, cuda_indices: list[int]) -> Callable[[], None]:
     """Wait for every task and optimizer step of the engine `get_engine()` returns, then for the devices.
 
     Without a look (`wait_for_work`, not `synchronize`): a look downloads every bucket stepped on a GPU into the
     module's host copies, which a training loop never does each step; records before 9ab2415 paid one look inside
     each timed window (of the order of 0.2 s for Qwen3-1.7B's state on the GPU, over 8 steps)."""
 
-    def synchronize() -> None:
+    def wait() -> None:
         get_engine().wait_for_work()
         for i in cuda_indices:
             torch.cuda.synchronize(i)
 
-    return synchronize
+    return wait

@@ -11,7 +11,7 @@ from accelerate_roundpipe import RoundPipeAccelerator, RoundPipeConfig, RoundPip
 from accelerate_roundpipe.integrations.convert import engine_of
 from benchmarks.memory import PeakMeter
 from benchmarks.runners import common
-from benchmarks.timing import StepClock, engine_synchronizer
+from benchmarks.timing import StepClock, engine_waiter
 
 
 def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, warm: int, iters: int,
@@ -29,7 +29,7 @@ def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: 
         model, optimizer = accelerator.prepare(model, optimizer)
         engine = engine_of(model)
         model.train()
-        clock = StepClock(warm, iters, engine_synchronizer(lambda: engine, cuda))
+        clock = StepClock(warm, iters, engine_waiter(lambda: engine, cuda))
         losses = []
         for step in range(warm + iters):
             clock.begin(step)

@@ -7,7 +7,7 @@ import torch
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 from benchmarks.memory import PeakMeter
 from benchmarks.runners import common
-from benchmarks.timing import StepClock, engine_synchronizer
+from benchmarks.timing import StepClock, engine_waiter
 
 
 def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, warm: int, iters: int,
@@ -20,7 +20,7 @@ def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, war
         engine = wrap_model(model, config)
         trainable = [p for p in engine.parameters() if p.requires_grad]
         optimizer = engine.wrap_optimizer(common.fused_adamw(trainable, lr))
-        clock = StepClock(warm, iters, engine_synchronizer(lambda: engine, cuda))
+        clock = StepClock(warm, iters, engine_waiter(lambda: engine, cuda))
         losses = []
         for step in range(warm + iters):
             clock.begin(step)

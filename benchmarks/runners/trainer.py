@@ -12,7 +12,7 @@ import torch
 from accelerate_roundpipe import RoundPipeConfig, RoundPipeTrainer, RoundPipeTrainingArguments
 from benchmarks.memory import PeakMeter
 from benchmarks.runners import common
-from benchmarks.timing import StepClock, engine_synchronizer
+from benchmarks.timing import StepClock, engine_waiter
 
 
 class RepeatedRows(torch.utils.data.Dataset):
@@ -53,7 +53,7 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
     cuda = common.cuda_indices(config)
     meter = PeakMeter(cuda)
     trainer = None
-    clock = StepClock(warm, iters, engine_synchronizer(lambda: trainer.roundpipe_engine, cuda))
+    clock = StepClock(warm, iters, engine_waiter(lambda: trainer.roundpipe_engine, cuda))
     losses: list[float] = []
 
     class Timing(TrainerCallback):
