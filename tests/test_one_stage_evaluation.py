@@ -53,6 +53,13 @@ def _plain_outputs(x, mask) -> torch.Tensor:
         return run_layers(model, (x, mask))
 
 
+def _traced_tasks(path) -> list[str]:
+    """The tasks a trace recorded on the workers' host tracks, in order."""
+    trace = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    return [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and names[e["tid"]].endswith(" host")]
+
+
 def _one_stage(tasks) -> bool:
     return len(tasks) == 1 and tasks[0].kind is TaskKind.FORWARD and tuple(tasks[0].span.layers) == tuple(range(9))
 
@@ -70,9 +77,7 @@ def test_an_evaluation_runs_one_task_over_every_layer_and_computes_plain_pytorch
         torch.testing.assert_close(ours, _plain_outputs(x, mask), rtol=1e-12, atol=1e-12)
     finally:
         engine.close()
-    trace = json.loads(path.read_text())
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    tasks = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and names[e["tid"]].endswith(" host")]
+    tasks = _traced_tasks(path)
     forward_tasks = [t for t in tasks if t.startswith("F")]
     # The training passes ran their forward stages; the evaluation one task over layers 0-8.
     assert forward_tasks[-1].startswith("F0:L0-8"), tasks
@@ -121,9 +126,7 @@ def test_a_forward_kept_for_a_backward_keeps_the_stages(tmp_path):
         nn.functional.cross_entropy(engine(x, mask), y).backward()
     finally:
         engine.close()
-    trace = json.loads(path.read_text())
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    tasks = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and names[e["tid"]].endswith(" host")]
+    tasks = _traced_tasks(path)
     backward = 9  # its backward: one task per backward stage, B8 to B0
     assert tasks[-len(expected) - backward:-backward] == expected, tasks
     assert not any(t.startswith("F0:L0-8") for t in tasks), tasks

@@ -58,10 +58,10 @@ def _final_gradient_holders(parameters: Iterable[torch.Tensor], engines: list[Ro
     optimizer step, not in the backward as DDP does), so a clip over them would clip each share, not the global
     gradient, and the ranks would step apart from DDP's numbers."""
     holders, involved = gradient_holders(parameters, engines)
-    parallel = [engine.data_parallel_world_size for engine in involved if engine.data_parallel_world_size > 1]
-    if parallel:
+    world_size = max((engine.data_parallel_world_size for engine in involved), default=1)
+    if world_size > 1:
         raise ValueError(
-            f"{what} under data parallelism ({parallel[0]} processes) would act on each rank's share of the "
+            f"{what} under data parallelism ({world_size} processes) would act on each rank's share of the "
             f"gradients: RoundPipe sums the ranks' gradients in the optimizer step, not in the backward, so it "
             f"cannot clip the global gradient that way. Clip with the L2 norm over all the model's trainable "
             f"parameters (`accelerator.clip_grad_norm_(model.parameters(), max_norm)`, the Trainer's "

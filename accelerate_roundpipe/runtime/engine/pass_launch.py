@@ -39,11 +39,12 @@ class PassLauncher:
         [Note: one-stage evaluation]
         A forward pass not kept for a backward (evaluation, prediction, generation) runs the training partition's
         stages one after another for nothing when there is one device and every bucket's weights are read from its
-        own memory (the 168M preset at its defaults: every bucket at home on the GPU): the stages exist to
-        overlap uploads with compute and to spread work over devices, and here nothing crosses and nothing spreads.
-        Each task costs the worker its hand-over, allocation, copies and bind (1.5-2 ms of GPU idle at each
-        task's start in the evaluation's profile, six tasks a batch on that preset), so such a pass runs as one
-        task over every layer (`Partition.one_stage`): the same layers in the same order, the same numbers. Its
+        own memory (every bucket at home on the GPU): the stages exist to overlap uploads with compute and to
+        spread work over devices, and here nothing crosses and nothing spreads. Each task costs the worker its
+        hand-over, allocation, copies and bind (1.5-2 ms of GPU idle at each task's start in a profile of an
+        evaluation before training), so such a pass runs as one task over every layer (`Partition.one_stage`): the
+        same layers in the same order, the same numbers. Where the measured plan already trains in one stage (the
+        168M preset after its first pass) nothing changes (docs/benchmarks.md, "Evaluation in one task"). Its
         weights are all on the device at once, as compute copies: 2 bytes a parameter in bf16, where the device
         holds at least 16 a parameter of those buckets' optimizer state within half its budget
         ([Note: optimizer placement]). A pass kept for a backward keeps the partition: its backward's stages say

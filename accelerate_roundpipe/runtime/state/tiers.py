@@ -93,8 +93,8 @@ class StateTier:
 
     def weights_stay_on(self, device: torch.device) -> bool:
         """Whether a task on `device` reads the bucket's weights (after its first step) from memory there, with
-        nothing crossing PCIe ([Note: one-stage evaluation])."""
-        return False
+        nothing crossing PCIe ([Note: one-stage evaluation]): the tier's own device, when its copies do not cross."""
+        return self.device == device and not self.crosses_pcie
 
     def on_look(self, bucket: Bucket) -> None:
         """`synchronize()`, the optimizer thread idle: make `bucket`'s compute copy show its newest step. The host's
@@ -180,9 +180,6 @@ class DeviceTier(StateTier):
             torch.cuda.current_stream(self.device).synchronize()
 
     def grads_stay_on(self, device: torch.device) -> bool:
-        return self.device == device
-
-    def weights_stay_on(self, device: torch.device) -> bool:
         return self.device == device
 
     def on_look(self, bucket: Bucket) -> None:

@@ -76,11 +76,11 @@ class GradientClip:
         ([Note: clipping without a drain]). A look before `step()` (`synchronize()`, which every synchronous reader
         of gradients goes through: `clip_grad_value_`, a clip of another norm type, the user reading `p.grad`)
         would show the gradients unclipped, and a value clip would cut them before the norm scaled them, where
-        torch scales first: the
-        weights then left torch's from the next step on. So a look applies the clip now, as torch does at
-        `clip_grad_norm_`: every bucket's gradients multiplied in place by the clamped coefficient, while nothing
-        runs; the step then applies no clip. The same numbers as torch's, to the rounding of a multiply instead of
-        the fused kernel's division ([Note: clip in the kernel])."""
+        torch scales first: the weights then left torch's from the next step on. So a look applies the clip now, as
+        torch does at `clip_grad_norm_`: every bucket's gradients multiplied in place by the clamped coefficient,
+        while nothing runs (the look's precondition, as for `show_newest`: no pass in flight, the optimizer thread
+        idle, so no gradient turn is open); the step then applies no clip. The same numbers as torch's, to the
+        rounding of a multiply instead of the fused kernel's division ([Note: clip in the kernel])."""
         coefficient = self.norm_coefficient()
         if coefficient == 1.0:
             return
