@@ -18,6 +18,7 @@ model: its patched methods, PEFT and transformers' `save_pretrained`), `accelera
 Accelerator and state), `trl_internals.py` (TRL's trainers and fused LM head), `torch_internals.py` (torch's
 process group and LR scheduler), `launcher_swaps.py` (the classes `launch/install.py` swaps under stock scripts),
 `peft_internals.py` (PEFT's LoRA wrapper of bare parameters, such as MoE experts', run on the engine's layer copies),
+`peft_linear.py` (PEFT's LoRA on linear layers, its product added inside one GEMM on the layer copies),
 `hf_experts.py` (transformers' experts implementations, chosen on each layer copy).
 """
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...compat.peft_internals import make_param_wrappers_stateless
+from ...compat.peft_linear import fuse_lora_adds
 from ..state.host_store import Binding
 
 
@@ -71,6 +72,7 @@ class LayerCopy:
         memo = {id(p): None for _, p in layer.named_parameters(remove_duplicate=False)}
         self.module = copy.deepcopy(layer, memo).to(device)
         make_param_wrappers_stateless(self.module)  # on this copy only, before its state is taken
+        fuse_lora_adds(self.module)  # [Note: LoRA added in the GEMM], on this copy only
         self.layer_index = layer_index
         self.kind = type(layer).__name__
         modules = dict(self.module.named_modules(remove_duplicate=False))
