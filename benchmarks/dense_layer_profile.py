@@ -47,7 +47,9 @@ SHAPES = {
                         head_dim=128, rope_theta=500000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }
-SYSTEMS = ("hf-liger", "hf-liger-ckpt", "engine", "engine-stages")
+# "-peft-adds": the engine with PEFT's own LoRA forward on its layer copies (three passes over each linear's output)
+# instead of the product added inside one GEMM ([Note: LoRA added in the GEMM]), to measure the two in one call.
+SYSTEMS = ("hf-liger", "hf-liger-ckpt", "engine", "engine-stages", "engine-peft-adds", "engine-stages-peft-adds")
 VOCAB = 32000
 
 
@@ -162,13 +164,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             if args.lora:
                 model = with_lora(model, dtype)
+            from accelerate_roundpipe.compat import peft_linear
+
+            peft_linear.enabled = not system.endswith("-peft-adds")
             engine, step = engine_step(model, batch, "cpu" if device == "cpu" else "cuda:0", args.layers,
-                                       stages=system == "engine-stages")
+                                       stages=system.startswith("engine-stages"))
             try:
                 result = profile_steps(step, args.warm, args.steps, device)
                 report(system, {**result, "partition": str(engine.partition)})  # the stages the profiled steps ran
             finally:
                 engine.close()
+                peft_linear.enabled = True
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

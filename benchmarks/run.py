@@ -167,6 +167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
     parser.add_argument("--disk-probe", action="store_true", help="record the disk's sequential bandwidth under "
                         "offload_dir in the record's settings (the engine's start probe when it had a disk tier)")
+    parser.add_argument("--peft-lora-adds", action="store_true", help="LoRA on linear layers computed PEFT's way "
+                        "(its product, scaled, then added: three passes over the output) instead of inside one GEMM "
+                        "([Note: LoRA added in the GEMM]), to measure the two beside each other")
     parser.add_argument("--peft-merged-experts", action="store_true", help="LoRA on MoE experts computed PEFT's "
                         "way (the merged weight per call) instead of through its factors "
                         "([Note: factored LoRA on experts]), to measure the two beside each other")
@@ -235,6 +238,10 @@ def main(argv: list[str] | None = None) -> None:
                 extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w.global_batch),
                                      kernels=args.kernels, recompute=args.recompute, **extra, **args.roundpipe)
+            if args.peft_lora_adds:
+                from accelerate_roundpipe.compat import peft_linear
+
+                peft_linear.enabled = False
             if args.peft_merged_experts:
                 from accelerate_roundpipe.compat import peft_experts
 
@@ -242,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
                              args.max_grad_norm, args.disk_probe)
+            variant = [name for flag, name in ((args.peft_lora_adds, "peft-lora-adds"),
+                                               (args.peft_merged_experts, "peft-merged-experts")) if flag]
+            if variant:  # the record says which computation it measured
+                record["variant"] = variant
+                record["system"] = "-".join([record["system"] or args.system, *variant])
             emit(record, args.out)
             gc.collect()
             if torch.cuda.is_available():

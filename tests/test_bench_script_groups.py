@@ -97,3 +97,21 @@ def test_reference_flags_are_rp_py_s():
         branch = re.search(rf"^  {group}\)(.*?);;", script.split("run_anchors()")[1], re.M | re.S)
         assert branch, group
         assert set(re.findall(r"(--[a-z-]+)", branch.group(1))) <= defined
+
+
+def test_lora_adds_groups_run_each_computation_in_turn(tmp_path):
+    """`lora-adds` and `lora-adds-32b`: the same workload twice, the second with PEFT's own LoRA forward
+    (`--peft-lora-adds`, which run.py's parser takes), and the layer profile's A/B systems."""
+    from benchmarks import dense_layer_profile
+
+    done, calls, _ = bench(tmp_path, "lora-adds", "lora-adds-32b")
+    assert done.returncode == 0, done.stderr
+    profile = [c for c in calls if c.startswith("benchmarks/dense_layer_profile.py")]
+    assert len(profile) == 1
+    systems = profile[0].split("--systems ")[1].split()[0].split(",")
+    assert set(systems) <= set(dense_layer_profile.SYSTEMS) and "engine-stages-peft-adds" in systems
+    runs = [run.parse_args(c.split()[1:]) for c in calls if c.startswith("benchmarks/run.py")]
+    assert [(a.workload, a.peft_lora_adds) for a in runs] == [
+        ("llama3.1-8b-lora-s4096-b8-cap24", False), ("llama3.1-8b-lora-s4096-b8-cap24", True),
+        ("qwen3-32b-lora-s4096-b8-cap24", False), ("qwen3-32b-lora-s4096-b8-cap24", True)]
+    assert any(c.startswith(".anchors/ingpu.py --liger --model llama3.1-8b") for c in calls)

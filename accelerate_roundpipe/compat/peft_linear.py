@@ -98,8 +98,8 @@ def _vanilla_adapters(self, x: torch.Tensor) -> list[str] | None:
 
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """`lora.Linear.forward` (peft 0.21) with each adapter's product added inside one GEMM ([Note: LoRA added in
-    the GEMM]); PEFT's own forward wherever that would differ."""
+    """`lora.Linear.forward` (peft 0.21) with each adapter's product added inside one GEMM
+    ([Note: LoRA added in the GEMM]); PEFT's own forward wherever that would differ."""
     adapters = _vanilla_adapters(self, x) if enabled and not args and not kwargs else None
     if adapters is None:
         return type(self).forward(self, x, *args, **kwargs)

@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
-# dense-cap24-profile, dense-layer-profile.
+# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -28,7 +28,7 @@ WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b"
-WORKLOADS+=" dense-cap24-profile dense-layer-profile"
+WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -283,6 +283,19 @@ run_ours() {
     # (benchmarks/dense_layer_profile.py): Qwen3-4B full fine-tune, Llama-3.1-8B-shaped LoRA r16
     step 150 python3 benchmarks/dense_layer_profile.py --model qwen3-4b --out "$OUT/ours.jsonl"
     step 150 python3 benchmarks/dense_layer_profile.py --model llama3.1-8b --lora --out "$OUT/ours.jsonl" ;;
+  lora-adds)  # LoRA's product added inside one GEMM ([Note: LoRA added in the GEMM]) against PEFT's own forward on the
+    # layer copies: 4 Llama-3.1-8B-shaped layers' kernels (the whole GPU), then the 8B LoRA on a 24 GiB card both
+    # ways, then HF + Liger in GPU memory under the same cap (issue 32's 1.3x target), all in one call
+    step 150 python3 benchmarks/dense_layer_profile.py --model llama3.1-8b --lora --out "$OUT/ours.jsonl" \
+      --systems hf-liger-ckpt,engine-stages,engine-stages-peft-adds
+    w=llama3.1-8b-lora-s4096-b8-cap24
+    ours 150 $w roundpipe-engine --warm 2 --iters 3
+    ours 150 $w roundpipe-engine --warm 2 --iters 3 --peft-lora-adds
+    in_gpu_liger 100 --model llama3.1-8b --mode lora --bf16-adapters --seqs 4096 --gb 8 --mbs 2,1 --iters 3 --cap 24 \
+      --section lora-8b-cap24-liger ;;
+  lora-adds-32b)  # the same A/B on Qwen3-32B LoRA under the cap (issue 32's 0.5-of-the-limit target)
+    ours 270 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2
+    ours 270 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --peft-lora-adds ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
