@@ -21,15 +21,17 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import trace_summary  # noqa: E402
 from benchmarks.moe_experts import FULL, LORA_TARGETS, TINY, build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
-from benchmarks.trace_summary import GPU_CATEGORIES, union_length  # noqa: E402
+from benchmarks.trace_summary import GPU_CATEGORIES, all_threads_config, union_length  # noqa: E402
 
 # Kinds of kernels, by a word of their name; the first that matches wins (lower case).
 KINDS = (
@@ -62,12 +64,14 @@ def profile_steps(step, warm: int, steps: int, device: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=activities, record_shapes=True, with_stack=True,
+                 experimental_config=all_threads_config()) as prof:
         start = time.perf_counter()
         losses = [float(step()) for _ in range(steps)]
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
+        thread_names = {str(t.native_id): t.name for t in threading.enumerate()}
     # Kernel times from the exported trace (the path benchmarks/trace_summary.py reads), one event per kernel.
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
@@ -82,7 +86,11 @@ def profile_steps(step, warm: int, steps: int, device: str) -> dict:
         by_kernel[event["name"][:160]] += float(event.get("dur", 0.0)) / 1e3 / steps
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in kernels)
     busy = union_length(spans) / 1e3 / steps
+    # Where the GPU waited: its idle gaps and what each host thread ran meanwhile (the engine's task hand-overs).
+    waits = trace_summary.summarize({"traceEvents": events}, steps, top=10, thread_names=thread_names)
+    idle = {key: waits[key] for key in ("idle_gaps_per_step", "idle_gap_ms_per_step", "longest_idle_gaps", "threads")}
     return {"wall_ms": round(wall * 1e3, 2), "gpu_busy_ms": round(busy, 2), "top_ops": top_ops(prof, steps, cuda),
+            "idle": idle,
             "kinds_ms": {k: round(v, 2) for k, v in by_kind.most_common()},
             "top_kernels_ms": {k: round(v, 2) for k, v in by_kernel.most_common(8)},
             "losses": [round(x, 5) for x in losses]}

@@ -34,19 +34,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks import convergence, text_corpus, trace_summary  # noqa: E402
 from benchmarks.convergence_runs import builtin_systems, parse_variant, train  # noqa: E402
 
-
-def _all_threads():
-    """Kineto's config recording every thread's host ops (RoundPipe's workers and optimizer are threads the caller
-    did not start under the profiler) and the CUDA synchronizations; None where this torch lacks them."""
-    from torch._C._profiler import _ExperimentalConfig
-
-    try:
-        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
-    except TypeError:
-        print("warning: this torch cannot profile every thread; only the caller's host ops are recorded")
-        return None
-
-
 PHASES = ("steps", "start-up", "evaluate")
 
 
@@ -97,7 +84,8 @@ class ProfileWindow:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities, experimental_config=_all_threads())
+        self.profiler = torch.profiler.profile(activities=activities,
+                                               experimental_config=trace_summary.all_threads_config())
         self.profiler.start()
         self._t0 = time.perf_counter()
 

@@ -16,6 +16,18 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 IDLE_GAP_US = 500.0  # a GPU gap at least this long is listed with what the host threads ran during it
 
 
+def all_threads_config():
+    """Kineto's config recording every thread's host ops (RoundPipe's workers and optimizer are threads the caller
+    did not start under the profiler) and the CUDA synchronizations; None where this torch lacks them."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=True)
+    except TypeError:
+        print("warning: this torch cannot profile every thread; only the caller's host ops are recorded")
+        return None
+
+
 def _intervals(events: Iterable[dict]) -> list[tuple[float, float]]:
     return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events)
 
