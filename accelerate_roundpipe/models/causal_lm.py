@@ -208,6 +208,7 @@ class CausalLMRoundPipe(RoundPipe):
                                  "engine does not keep; leave it unset (generate() works with use_cache=False).")
         for key in _IGNORED:
             batch.pop(key, None)
+        self._check_router_aux_switch(batch.pop("output_router_logits", None))
         for key in _IGNORED_WHEN_FALSY:
             value = batch.pop(key, None)
             if value is not None and value is not False and not (isinstance(value, int) and value == 0):
@@ -216,6 +217,45 @@ class CausalLMRoundPipe(RoundPipe):
         if batch:
             raise TypeError(f"unexpected batch keys for the RoundPipe engine: {sorted(batch)}.")
         return out
+
+    def _check_router_aux_switch(self, given) -> None:
+        """[Note: router aux loss fixed at wrap]
+        HF decides at every forward whether to add the router aux loss (the call's `output_router_logits`, else
+        `config.output_router_logits`) and with which weight (the model's `router_aux_loss_coef`). The split decides
+        once, in `wrap_model` (its layers carry router statistics and its head adds the aux loss with the weight
+        read then), so a call or a setting asking otherwise would get a loss other than HF's, silently: refused,
+        naming what to change. `output_router_logits=True` is refused too: the pipeline returns no router logits or
+        `aux_loss` (its `loss` already includes the aux loss when the config asked for it at wrap)."""
+        model = unwrap_peft(self.split.source_model)
+        config = getattr(model, "config", None)
+        adds = self.split.router_experts is not None
+        if not (adds or (self.split.family.switch_router_aux_loss and hasattr(model, "router_aux_loss_coef"))):
+            if given is not None and given is not False and not (isinstance(given, int) and given == 0):
+                raise ValueError(f"`output_router_logits={given!r}` is not supported by the RoundPipe engine (it "
+                                 f"returns loss/logits only); leave it unset.")
+            return
+        at_wrap = (f"when the model was wrapped, config.output_router_logits was {adds}, so RoundPipe "
+                   f"{'adds' if adds else 'does not add'} the router aux loss to every loss (decided once, in "
+                   f"wrap_model)")
+        if given is not None and bool(given):
+            raise ValueError(f"`output_router_logits=True` is not supported by the RoundPipe engine: it returns no "
+                             f"router logits or `aux_loss`; {at_wrap}. Leave `output_router_logits` unset.")
+        wanted = bool(getattr(config, "output_router_logits", False)) if given is None else False
+        if wanted != adds:
+            asked = ("this call passes `output_router_logits=False`" if given is not None else
+                     f"config.output_router_logits is {wanted} now")
+            raise ValueError(f"{asked}, but {at_wrap}: HF's loss would {'include' if wanted else 'leave out'} the "
+                             f"aux loss and RoundPipe's would not. Set config.output_router_logits before wrap_model "
+                             f"(close the engine and wrap the model again to change it), and do not pass "
+                             f"`output_router_logits` to the forward.")
+        if adds:
+            coef = float(model.router_aux_loss_coef)
+            at_wrap_coef = self.split.layers[-1].router_aux_loss_coef
+            if coef != at_wrap_coef:
+                raise ValueError(f"the model's router_aux_loss_coef is {coef} now, but it was {at_wrap_coef} when the "
+                                 f"model was wrapped, and RoundPipe's loss head adds the aux loss with that weight "
+                                 f"(decided once, in wrap_model). Set router_aux_loss_coef before wrap_model (close "
+                                 f"the engine and wrap the model again to change it).")
 
     # ------------------------------------------------------------------ the patched model
 
