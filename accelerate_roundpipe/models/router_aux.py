@@ -153,7 +153,9 @@ def batch_router_aux_loss(router_counts: torch.Tensor, router_probs: torch.Tenso
     """HF's aux loss (before `router_aux_loss_coef`) of the rows whose running totals are given."""
     num_experts = router_probs.shape[1]
     totals = router_counts.sum(dim=0).to(router_probs.dtype)
-    routed_rows = totals[num_experts]
+    # A micro-batch of padding only (an empty example) routes no row: its picks and probabilities are all zero, and
+    # so is its aux loss (its share of the batch's tokens is zero too), not 0 / 0.
+    routed_rows = totals[num_experts].clamp(min=1)
     picks_per_expert = totals[:num_experts] / routed_rows
     prob_per_expert = router_probs.sum(dim=0) / routed_rows
     return num_experts * torch.sum(picks_per_expert * prob_per_expert)

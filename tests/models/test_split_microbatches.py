@@ -77,6 +77,24 @@ def test_router_aux_is_token_weighted_over_micro_batches(family):
     assert_close(summed, expected, "summed loss with router aux")
 
 
+def test_router_aux_of_a_micro_batch_of_padding_only_is_zero():
+    """A micro-batch holding only an empty example (mask and labels all padding) routes no token: its aux loss is
+    zero, not 0 / 0 (a NaN loss and NaN gradients for the whole batch, where HF's batch loss is finite)."""
+    model = build_model("qwen3_moe")
+    batch = make_batch("left")
+    batch["attention_mask"][2] = 0
+    batch["labels"][2] = -100
+    split = split_causal_lm(model)
+    inputs = split.prepare_inputs(**batch)
+    micro_batches = split_rows(inputs, [2, 1])
+    summed = sum(run_layers(split.layers, micro_batch) for micro_batch in micro_batches)
+    summed.backward()
+    assert all(torch.isfinite(g).all() for g in gradients(model).values())
+
+    # Every token of the batch is in the first micro-batch, so the token-weighted aux is HF's whole-batch aux.
+    assert_close(summed, reference_loss(model, batch), "summed loss with an empty micro-batch")
+
+
 def test_router_aux_of_one_micro_batch_is_hfs():
     model = build_model("qwen3_moe")
     batch = make_batch("left")
