@@ -77,3 +77,18 @@ def test_a_merged_adapter_is_refused(engines):
     model.merge_adapter()
     with pytest.raises(ValueError, match="merged.*unmerge_adapter"):
         logits(model, batch)
+
+
+def test_merge_and_unload_on_a_wrapped_model_is_refused_naming_what_to_do(engines):
+    """merge_and_unload() after training (the usual end of a LoRA run) while the engine still runs the model: the
+    merged model is right as a plain model, and the engine's next pass is refused with a message that names
+    merge_and_unload and says to close the engine (it once only said to merge_and_unload before wrapping)."""
+    engine, model, reference = engines
+    batch = make_batch("right")
+    logits(model, batch)
+    merged = model.merge_and_unload()
+    expected = logits(reference.merge_and_unload(), batch)
+    with pytest.raises(ValueError, match=r"merge_and_unload\(\) while RoundPipe runs the model.*engine.close\(\)"):
+        engine.forward_backward(**batch)
+    engine.close()
+    assert_close(logits(merged, batch), expected, "the merged model's logits, as a plain model")

@@ -52,9 +52,14 @@ class AdapterSwitches:
             merged = values[SWITCHES.index("merged_adapters")]
             if merged:
                 raise ValueError(f"the adapter(s) {list(merged)} are merged into {path or 'a layer'} "
-                                 f"(merge_adapter()): the merge rewrote the base weights outside RoundPipe's host "
-                                 f"store. Unmerge them (unmerge_adapter()), or merge_and_unload() the model before "
-                                 f"handing it to RoundPipe.")
+                                 f"(merge_adapter(), or merge_and_unload() while RoundPipe runs the model): the "
+                                 f"merge rewrote the base weights outside RoundPipe's host store, so the engine "
+                                 f"cannot run this model any more. After merge_adapter(), unmerge them "
+                                 f"(unmerge_adapter()); after merge_and_unload(), use the merged model as a plain "
+                                 f"model (close the engine first: engine.close(), a Trainer's "
+                                 f"trainer.roundpipe_engine.close()), or wrap it again (evaluate or train before "
+                                 f"merging). To train a merged model, merge_and_unload() it before handing it to "
+                                 f"RoundPipe.")
         if training:
             changed = [name for name, p, was in self._params if p.requires_grad != was]
             if changed:
