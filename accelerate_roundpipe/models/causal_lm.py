@@ -126,7 +126,15 @@ class CausalLMRoundPipe(RoundPipe):
         self._originals = patch_methods(model, {
             "forward": self._hf_forward,
             "generate": functools.partial(self._generate, class_method(model, "generate")),
-            "save_pretrained": self._save_pretrained})
+            "save_pretrained": self._save_pretrained,
+            # The model's own parameters never hold gradients (they live on `parameters()`, the optimizer copies):
+            # `nn.Module.zero_grad` would clear nothing, and a loop zeroing through the model would accumulate
+            # every step's gradients silently. The engine's clears them in order with the pending steps.
+            "zero_grad": self._zero_grad_of_model})
+
+    def _zero_grad_of_model(self, set_to_none: bool = True) -> None:
+        """`model.zero_grad(set_to_none=...)` on the wrapped model: the engine's `zero_grad`."""
+        self.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ engine API with HF batches
 
