@@ -66,9 +66,13 @@ _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_st
 _IGNORED = ("use_cache", "return_dict", "token_type_ids")
 
 
-def _causal_lm_output(loss, logits):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _causal_lm_output(loss, logits, aux_loss=None):
+    """HF's output of a causal LM; of a mixture-of-experts one (`aux_loss`, the router aux loss before
+    `router_aux_loss_coef`, as HF's MoE models return it) where the engine computed its router aux loss."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    if aux_loss is not None:
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
@@ -279,17 +283,18 @@ class CausalLMRoundPipe(RoundPipe):
         if fused and self.module.training and torch.is_grad_enabled():
             loss = self.forward_backward(labels=labels, num_items_in_batch=num_items_in_batch, deferred=True, **batch)
             return _causal_lm_output(loss, None)
-        # HF adds the router aux loss of MoE models to the loss (in eval too): carry the router statistics then.
-        router_aux = labels is not None and self.split.router_experts is not None
+        # HF adds the router aux loss of MoE models to the loss (in eval too) and returns it as `aux_loss` (without
+        # labels too, for a loss of the caller's own): carry the router statistics then.
+        router_aux = self.split.router_experts is not None
         if skip_logits and fused and not router_aux and not torch.is_grad_enabled():
             return _causal_lm_output(self._evaluation_loss(batch, labels, num_items_in_batch), None)
         output = self(*self.split.prepare_inputs(**batch, router_statistics=router_aux))
         logits = output[0] if router_aux else output
         loss = model_loss(loss_function, logits, labels, num_items_in_batch) if labels is not None else None
-        if router_aux:
-            aux = batch_router_aux_loss(output[1], output[2])
+        aux = batch_router_aux_loss(output[1], output[2]) if router_aux else None
+        if aux is not None and loss is not None:
             loss = loss + self.split.layers[-1].router_aux_loss_coef * aux.to(loss.device, loss.dtype)
-        return _causal_lm_output(loss, logits)
+        return _causal_lm_output(loss, logits, aux)
 
     def _evaluation_loss(self, batch: dict[str, Any], labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         """[Note: evaluation loss]

@@ -12,7 +12,7 @@ import torch
 
 from accelerate_roundpipe import RoundPipeConfig, wrap_model
 
-from split_helpers import assert_close, build_model, make_batch
+from split_helpers import assert_close, build_model, gradients, make_batch, switch_aux_loss
 
 pytest.importorskip("transformers")
 
@@ -68,3 +68,30 @@ def test_settings_changed_after_wrapping_are_refused(wrapped, change):
         model(**batch)  # the fused training pass
     with pytest.raises(ValueError, match=message):
         engine.forward_backward(**batch)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 3])
+def test_aux_loss_is_returned_without_labels_for_a_loss_of_ones_own(num_microbatches):
+    """`model(input_ids, attention_mask)` of an MoE model with `output_router_logits`: HF returns `aux_loss` (the
+    whole batch's, before the coefficient) beside the logits, for a loss of the caller's own; the engine returned
+    no `aux_loss` (AttributeError). Its value and gradient are HF's, in float64, for any micro-batch count."""
+    model = build_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    reference = copy.deepcopy(model)
+    batch = make_batch("left")
+    del batch["labels"]
+    outputs = reference(**batch)
+    expected_aux = switch_aux_loss(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
+                                   batch["attention_mask"])  # HF's own is float32
+    (outputs.logits.square().mean() + expected_aux).backward()
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=num_microbatches))
+    try:
+        got = model(**batch)
+        assert got.loss is None
+        assert_close(got.aux_loss.detach(), expected_aux.detach(), "aux_loss")
+        (got.logits.square().mean() + got.aux_loss).backward()
+        engine.synchronize()
+        expected = gradients(reference)
+        for name, p in engine.named_parameters():
+            assert_close(p.grad, expected[name], f"grad of {name}")
+    finally:
+        engine.close()
