@@ -72,7 +72,7 @@ def test_open_swap_makes_the_run_folder_and_close_removes_it(tmp_path):
     layouts = {k: BucketLayout.of([TensorSpec("optim", 1000 + k, torch.float32)]) for k in range(3)}
     staging = open_swap(str(tmp_path), layouts, slots=2, pin_memory=False)
     files = sorted(os.listdir(staging.files.folder.path))
-    assert files == ["bucket-0.swap", "bucket-1.swap", "bucket-2.swap", "owner.json"]
+    assert files == ["bucket-0.swap", "bucket-1.swap", "bucket-2.swap", "owner.json", "owner.lock"]
     staging.close()
     assert os.listdir(tmp_path) == []
 

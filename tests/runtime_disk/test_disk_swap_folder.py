@@ -128,3 +128,29 @@ def test_a_forked_child_leaves_the_parents_folder(tmp_path):
     assert status == 0 and os.path.isdir(folder.path)
     folder.close()
     assert not os.path.exists(folder.path)
+
+
+def test_a_live_runs_lock_keeps_its_folder_whatever_its_pid_says(tmp_path):
+    """A run in another PID namespace on the same host name (a container with host networking sharing the disk)
+    records a pid that means nothing here: its held owner lock keeps its folder; a folder whose lock is free is a
+    leftover even when its record names a live process of this host."""
+    live = _child(tmp_path, "wait")
+    live_path = live.stdout.readline().strip()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = os.path.join(live_path, "owner.json")
+    with open(record) as f:
+        owner = json.load(f)
+    with open(record, "w") as f:  # what this host would read of a pid from another namespace
+        json.dump({**owner, "pid": int(dead.stdout), "start_ticks": None}, f)
+    freed = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{os.getpid()}-0000f00d"
+    freed.mkdir()
+    (freed / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "start_ticks": swap_folder.process_start_ticks(os.getpid()),
+                                                  "created": 0}))
+    (freed / "owner.lock").write_text("")  # its owner's lock went with its process
+    try:
+        assert remove_leftovers(str(tmp_path)) == [str(freed)]
+        assert os.path.isdir(live_path)
+    finally:
+        live.communicate("", timeout=60)
+    assert os.listdir(tmp_path) == []

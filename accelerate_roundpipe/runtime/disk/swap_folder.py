@@ -9,10 +9,20 @@ removed (one warning line says how many and how many bytes); one whose process r
 this one) or that was made on another host (an offload_dir on a shared mount) is left alone. The start time tells a
 dead run from a new process that happens to have its pid; without the record (killed between mkdir and the record's
 rename) the name's host and pid decide. The swap files are never a checkpoint: nothing in them outlives the run.
+
+The owner also holds an exclusive `flock` on the folder's `owner.lock` for as long as it lives (the kernel drops it
+when the process ends, SIGKILL included), and that lock decides first: a folder whose lock another open holds is
+alive, one whose lock can be taken is a leftover, whatever its pid says. A pid alone misjudges a run in another PID
+namespace on the same host name (a container with host networking sharing the disk): its pid means nothing here, and
+a live run's swap files were removed under it (its next `optimizer.state_dict()` failed on the missing files). The
+pid and start time decide only where no lock file is (an older run, or one between its mkdir and its lock) or the
+filesystem has no locks.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -26,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "roundpipe-swap-"
 OWNER_RECORD = "owner.json"
+OWNER_LOCK = "owner.lock"
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -67,6 +78,22 @@ def _owner(folder: str, name: str) -> tuple[str, int, int | None] | None:
         return None
 
 
+def _lock_held(folder: str) -> bool | None:
+    """Is the folder's owner lock held by a live process (True), free (False: its owner is gone), or unknown (None:
+    no lock file, or a filesystem without locks)?"""
+    try:
+        fd = os.open(os.path.join(folder, OWNER_LOCK), os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        return True if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    finally:
+        os.close(fd)  # and with it the lock just taken, if it was
+    return False
+
+
 def _tree_bytes(folder: str) -> int:
     total = 0
     for root, _, names in os.walk(folder):
@@ -91,7 +118,10 @@ def remove_leftovers(offload_dir: str) -> list[str]:
         if not name.startswith(PREFIX) or not os.path.isdir(path) or os.path.islink(path):
             continue
         owner = _owner(path, name)
-        if owner is None or owner[0] != host or process_alive(owner[1], owner[2]):
+        if owner is None or owner[0] != host:
+            continue
+        held = _lock_held(path)
+        if held or (held is None and process_alive(owner[1], owner[2])):
             continue  # this process's own folders are alive too, unless their start time is another process's
         nbytes += _tree_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
@@ -102,11 +132,14 @@ def remove_leftovers(offload_dir: str) -> list[str]:
     return removed
 
 
-def _remove_if_owner(path: str, owner_pid: int) -> None:
+def _remove_if_owner(path: str, owner_pid: int, lock_fd: int | None) -> None:
     """Remove the folder, from the process that made it only: a forked child (a data loader's worker) that exits
-    through Python's exit handlers inherits the finalizer and must not take the parent's swap files with it."""
+    through Python's exit handlers inherits the finalizer and must not take the parent's swap files with it (nor
+    its lock: the child leaves the descriptor alone, as unlocking it would unlock the parent's)."""
     if os.getpid() == owner_pid:
         shutil.rmtree(path, ignore_errors=True)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
 class SwapFolder:
@@ -119,8 +152,13 @@ class SwapFolder:
         host, pid = socket.gethostname(), os.getpid()
         self.path = os.path.join(offload_dir, f"{PREFIX}{host}-{pid}-{secrets.token_hex(4)}")
         os.mkdir(self.path, 0o700)
+        lock_fd = os.open(os.path.join(self.path, OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process closes it or ends
+        except OSError:  # a filesystem without locks: the record's pid and start time decide alone
+            pass
         # Removed when closed, collected, or at exit, whichever comes first (weakref.finalize runs at exit too).
-        self._finalizer = weakref.finalize(self, _remove_if_owner, self.path, pid)
+        self._finalizer = weakref.finalize(self, _remove_if_owner, self.path, pid, lock_fd)
         record = {"pid": pid, "host": host, "start_ticks": process_start_ticks(pid), "created": time.time()}
         staged = os.path.join(self.path, OWNER_RECORD + ".tmp")
         with open(staged, "w") as f:
