@@ -512,6 +512,39 @@ def test_an_optimizer_whose_state_the_disk_does_not_know_is_refused(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("given, expected", [
+    ("variable", r"^ROUNDPIPE_HOST_MEMORY_BUDGET='1e-9': the store needs"),
+    ("training argument", r"^roundpipe_host_memory_budget='1e-9' \(a RoundPipeTrainingArguments field, "
+                          r"--roundpipe_host_memory_budget\): the store needs"),
+    ("default", r"^the default host_memory_budget, 0 GiB \(the memory available less 20%, at least 4 GiB; "
+                r"host_memory_budget, --roundpipe_host_memory_budget or ROUNDPIPE_HOST_MEMORY_BUDGET sets it\): "
+                r"the store needs"),
+])
+def test_a_disk_refusal_names_the_budget_where_it_was_given(tmp_path, monkeypatch, given, expected):
+    """The refusal at wrap_optimizer names host_memory_budget as the user gave it, never a variable nobody set."""
+    from accelerate_roundpipe import RoundPipeTrainingArguments
+    from accelerate_roundpipe.integrations.training_args import plugin_from_training_args
+    from accelerate_roundpipe.runtime.state import placement
+
+    config = _config(tmp_path, None)
+    if given == "variable":
+        monkeypatch.setenv("ROUNDPIPE_HOST_MEMORY_BUDGET", "1e-9")
+        config = _config(tmp_path, None)
+    elif given == "training argument":
+        config = plugin_from_training_args(RoundPipeTrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", roundpipe_devices="cpu,cpu",
+            roundpipe_summary=False, roundpipe_host_memory_budget="1e-9", roundpipe_offload_dir=str(tmp_path)))
+    else:
+        monkeypatch.setattr(placement, "available_memory_bytes", lambda: 0)  # a machine with nothing to spare
+    engine = RoundPipe(wide_model(), config)
+    try:
+        with pytest.raises(OffloadSettingError, match=expected) as refused:
+            engine.wrap_optimizer(torch.optim.Adagrad(engine.parameters(), lr=LR))
+        assert given == "variable" or "ROUNDPIPE_HOST_MEMORY_BUDGET=" not in str(refused.value)
+    finally:
+        engine.close()
+
+
 def test_an_offload_dir_that_is_not_a_writable_folder_is_refused(tmp_path):
     not_a_folder = tmp_path / "a-file"
     not_a_folder.write_text("x")

@@ -89,7 +89,9 @@ class MeasuredPlan:
                                           self.devices, self.store, optimizer, data_parallel, self.budget_bytes)
         placement = place_past_host_budget(placement, self.store, optimizer, data_parallel,
                                            config.host_memory_budget, config.resolved_offload_dir,
-                                           config.resolved_wait_timeout_s)  # [Note: disk tier]
+                                           config.resolved_wait_timeout_s,  # [Note: disk tier]
+                                           budget_given=config.setting_as_given("host_memory_budget")
+                                           if config.host_memory_budget is not None else None)
         lock_host_optimizer_copies(self.store)
         self.store.lock_crossing_compute_copies()  # [Note: compute copies locked where they cross]
         if self.budget_bytes is not None and placement.device_buckets:

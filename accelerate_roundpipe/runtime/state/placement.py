@@ -295,9 +295,10 @@ def lock_host_optimizer_copies(store) -> None:
 
 def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torch.optim.Optimizer,
                            data_parallel: bool, host_budget_gib: float | None, offload_dir: str,
-                           timeout_s: float) -> OptimizerPlacement:
+                           timeout_s: float, budget_given: str | None = None) -> OptimizerPlacement:
     """After `place_optimizer_state`: the buckets the host keeps past `host_budget_gib` (`host_memory_budget`;
-    None: the default) moved to the disk tier, their swap files under `offload_dir` ([Note: disk tier])."""
+    None: the default) moved to the disk tier, their swap files under `offload_dir` ([Note: disk tier]).
+    `budget_given`: the setting as the user gave it (`RoundPipeConfig.setting_as_given`), for the refusals."""
     copies = state_copies(optimizer)
     on_host = [store.buckets[p.bucket] for p in placement.places if p.home is None]
     names = state_names(optimizer)
@@ -305,6 +306,9 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
     if host_budget_gib is None:  # [Note: default host memory budget], the store's own memory counted as available
         held = fixed + sum(b.optim.numel() * b.optim.element_size() for b in on_host)
         host_budget_gib = default_host_memory_budget(available_memory_bytes() + held)
+        budget_given = (f"the default host_memory_budget, {host_budget_gib:.3g} GiB (the memory available less "
+                        f"20%, at least 4 GiB; host_memory_budget, --roundpipe_host_memory_budget or "
+                        f"ROUNDPIPE_HOST_MEMORY_BUDGET sets it)")
     budget_bytes = int(host_budget_gib * GiB)
     plan = plan_disk(on_host, fixed, budget_bytes,
                      names if names is not None else tuple(f"state{i}" for i in range(copies)))
@@ -314,7 +318,7 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
         if os.path.isdir(offload_dir):
             remove_swap_leftovers(os.path.abspath(offload_dir))  # a killed run's, even when no bucket goes there
         return placement
-    _refuse_disk(plan, names, optimizer, data_parallel, host_budget_gib)
+    _refuse_disk(plan, names, optimizer, data_parallel, host_budget_gib, budget_given)
     if not plan.fits:
         logger.warning("RoundPipe: host_memory_budget is %.2f GiB, and the store needs %.2f GiB of host memory even "
                        "with the optimizer state of every trainable bucket on disk (compute copies and gradients "
@@ -330,9 +334,12 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
 
 
 def _refuse_disk(plan: DiskPlan, names: tuple[str, ...] | None, optimizer: torch.optim.Optimizer,
-                 data_parallel: bool, budget_gib: float) -> None:
-    """What the disk tier cannot do yet, refused before anything is written, naming the settings and the numbers."""
-    need = (f"host_memory_budget={budget_gib:.3g} GiB (env ROUNDPIPE_HOST_MEMORY_BUDGET): the store needs "
+                 data_parallel: bool, budget_gib: float, budget_given: str | None = None) -> None:
+    """What the disk tier cannot do yet, refused before anything is written, naming the settings (where the user
+    gave them: a variable named for a value given elsewhere, or for the default, sends the user looking for an
+    export that does not exist) and the numbers."""
+    given = budget_given or f"host_memory_budget={budget_gib:.3g} GiB"
+    need = (f"{given}: the store needs "
             f"{plan.host_bytes_before / GiB:.3f} GiB of host memory, so {len(plan.buckets)} trainable bucket(s) "
             f"would keep their optimizer state on disk")
     fix = f"raise host_memory_budget to at least {plan.host_bytes_before / GiB:.3f} GiB (everything on the host)"
