@@ -142,10 +142,11 @@ def test_a_live_runs_lock_keeps_its_folder_whatever_its_pid_says(tmp_path):
         owner = json.load(f)
     with open(record, "w") as f:  # what this host would read of a pid from another namespace
         json.dump({**owner, "pid": int(dead.stdout), "start_ticks": None}, f)
-    freed = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{os.getpid()}-0000f00d"
+    alive = os.getppid()  # a live process of this host, not this one (whose own folders its pid decides)
+    freed = tmp_path / f"roundpipe-swap-{socket.gethostname()}-{alive}-0000f00d"
     freed.mkdir()
-    (freed / "owner.json").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                  "start_ticks": swap_folder.process_start_ticks(os.getpid()),
+    (freed / "owner.json").write_text(json.dumps({"pid": alive, "host": socket.gethostname(),
+                                                  "start_ticks": swap_folder.process_start_ticks(alive),
                                                   "created": 0}))
     (freed / "owner.lock").write_text("")  # its owner's lock went with its process
     try:
@@ -154,3 +155,15 @@ def test_a_live_runs_lock_keeps_its_folder_whatever_its_pid_says(tmp_path):
     finally:
         live.communicate("", timeout=60)
     assert os.listdir(tmp_path) == []
+
+
+def test_another_engines_folder_in_this_process_is_kept_where_locks_never_bar_their_own_process(tmp_path,
+                                                                                               monkeypatch):
+    """On NFS flock is emulated by POSIX locks, which never bar the process holding them: a second engine of this
+    process must still keep the first one's folder (its record names this very process)."""
+    first = SwapFolder(str(tmp_path))
+    monkeypatch.setattr(swap_folder.fcntl, "flock", lambda fd, how: None)  # every lock granted, as to its owner
+    second = SwapFolder(str(tmp_path))
+    assert second.removed_leftovers == [] and os.path.isdir(first.path)
+    second.close()
+    first.close()

@@ -16,7 +16,8 @@ alive, one whose lock can be taken is a leftover, whatever its pid says. A pid a
 namespace on the same host name (a container with host networking sharing the disk): its pid means nothing here, and
 a live run's swap files were removed under it (its next `optimizer.state_dict()` failed on the missing files). The
 pid and start time decide only where no lock file is (an older run, or one between its mkdir and its lock) or the
-filesystem has no locks.
+filesystem has no locks, and for this process's own folders (another engine's), which a lock cannot tell where flock
+is emulated by POSIX locks (NFS), as those never bar their own process.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def remove_leftovers(offload_dir: str) -> list[str]:
         owner = _owner(path, name)
         if owner is None or owner[0] != host:
             continue
+        if owner[1] == os.getpid() and process_alive(owner[1], owner[2]):
+            continue  # another engine of this process: where flock is emulated by POSIX locks (NFS) ours never bar us
         held = _lock_held(path)
         if held or (held is None and process_alive(owner[1], owner[2])):
             continue  # this process's own folders are alive too, unless their start time is another process's
