@@ -143,6 +143,26 @@ class RoundPipeTrainer(Trainer):
         self.accelerator.roundpipe_summary_notes = summary_notes(self.args)
         self.accelerator.roundpipe_optimizer_hint = WRONG_TRAINER_OPTIMIZER
         self.add_callback(_FinishAtTrainEnd())
+        self._show_weights_to_callbacks()
+
+    def _show_weights_to_callbacks(self) -> None:
+        """[Note: callbacks see the newest weights]
+        Before an event that a callback of the user's own (or another library's: TRL's SyncRefModelCallback)
+        handles, the engine is synchronized, so the `model=` it is given shows the weights after every step taken, as
+        under the plain Trainer. Without it an `on_step_end` reading `model.named_parameters()` (an EMA, a weight-norm
+        log) saw the initial weights at every step of an exact run: the model shows the newest weights only after a
+        look. A look changes no step ([Note: looking changes nothing]); transformers' own callbacks read no weights,
+        so a run without such callbacks pays nothing."""
+        handler = self.callback_handler
+        call_event = handler.call_event
+
+        def looking_call_event(event, *args, **kwargs):
+            engine = self.roundpipe_engine
+            if engine is not None and any(_reads_the_model(callback, event) for callback in handler.callbacks):
+                engine.synchronize()
+            return call_event(event, *args, **kwargs)
+
+        handler.call_event = looking_call_event
 
     @property
     def roundpipe_engine(self):
@@ -441,6 +461,15 @@ class RoundPipeTrainer(Trainer):
     def _load_best_model(self) -> None:
         with self._reloading_weights():
             super()._load_best_model()
+
+
+def _reads_the_model(callback, event: str) -> bool:
+    """Whether `callback` handles `event` and may read the model's weights there: any callback class but
+    transformers' own (flow, progress, early stopping, the reporters) and this package's."""
+    handler = getattr(type(callback), event, None)
+    if handler is None or handler is getattr(TrainerCallback, event, None):
+        return False
+    return not type(callback).__module__.startswith(("transformers.", "accelerate_roundpipe."))
 
 
 class _FinishAtTrainEnd(TrainerCallback):
