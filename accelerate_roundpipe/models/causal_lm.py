@@ -134,7 +134,8 @@ class CausalLMRoundPipe(RoundPipe):
             # The model's own parameters never hold gradients (they live on `parameters()`, the optimizer copies):
             # `nn.Module.zero_grad` would clear nothing, and a loop zeroing through the model would accumulate
             # every step's gradients silently. The engine's clears them in order with the pending steps.
-            "zero_grad": self._zero_grad_of_model})
+            "zero_grad": self._zero_grad_of_model,
+            "state_dict": functools.partial(self._state_dict, class_method(model, "state_dict"))})
 
     def _zero_grad_of_model(self, set_to_none: bool = True) -> None:
         """`model.zero_grad(set_to_none=...)` on the wrapped model: the engine's `zero_grad`."""
@@ -334,6 +335,17 @@ class CausalLMRoundPipe(RoundPipe):
         kwargs["use_cache"] = False
         return original_generate(*args, **kwargs)
 
+    def _state_dict(self, original_state_dict, *args, **kwargs):
+        """The model's own `state_dict`, after a look: it shows the newest weights, as `engine.state_dict()` and the
+        plain model after `optimizer.step()` do. Before, `torch.save(model.state_dict(), ...)` right after a step
+        (or PEFT's `get_peft_model_state_dict(model)`, which calls it) read the compute copies as the last look left
+        them: the initial weights in a loop that never synchronized. A look changes no step
+        ([Note: looking changes nothing]). A failed engine is not waited for: reading its module says whether the
+        weights are torn ([Note: torn weights])."""
+        if self._failure.error is None and not self._failure.closed:
+            self.synchronize()
+        return original_state_dict(*args, **kwargs)
+
     def _save_pretrained(self, *args, **kwargs):
         """The model's own `save_pretrained`, after the lagged step is flushed, writing the model in its own dtype
         from the optimizer copies, not the narrower compute copies ([Note: saved model dtype])."""
@@ -363,7 +375,7 @@ class CausalLMRoundPipe(RoundPipe):
             config.save_pretrained(directory)
 
     def close(self) -> None:
-        """Stop the engine and give the model back its own forward, generate and save_pretrained."""
+        """Stop the engine and give the model back its own forward, generate, save_pretrained and state_dict."""
         try:
             super().close()
         finally:

@@ -93,3 +93,45 @@ def test_model_zero_grad_clears_the_engine_gradients():
     engine.synchronize()
     assert all(p.grad is None for p in engine.parameters())
     engine.close()
+
+
+def test_model_state_dict_right_after_a_step_shows_the_newest_weights():
+    """`model.state_dict()` of the prepared model (the same object), read right after `optimizer.step()` as a loop
+    that saves with `torch.save(model.state_dict(), ...)` reads it, and PEFT's `get_peft_model_state_dict`, which
+    calls it: the weights after the step, as the plain model gives. Before, they were the compute copies as the last
+    look left them: the initial weights, 1e-2 off the plain model's after the first AdamW step."""
+    import peft
+
+    model, reference = tiny_llama().double(), tiny_llama().double()
+    accelerator = make_accelerator(plugin=dict(param_dtype=torch.float64))
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        accelerator.backward(model(**lm_batch(seed=step)).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference(**lm_batch(seed=step)).loss.backward()
+        plain.step()
+        plain.zero_grad()
+        got, want = model.state_dict(), reference.state_dict()
+        worst = max(float((got[name] - want[name]).abs().max()) for name in want)
+        assert worst < 1e-6, f"model.state_dict() after step {step + 1} is {worst:.3g} off the plain model's"
+    accelerator.roundpipe_engine(model).close()
+
+    base = tiny_llama().double()
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0, init_lora_weights=False))
+    before = {n: v.clone() for n, v in peft.get_peft_model_state_dict(lora).items()}
+    accelerator = make_accelerator(plugin=dict(param_dtype=torch.float64))
+    lora = accelerator.prepare(lora)
+    optimizer = accelerator.prepare(torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2))
+    accelerator.backward(lora(**lm_batch()).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    read = peft.get_peft_model_state_dict(lora)
+    accelerator.roundpipe_engine(lora).synchronize()
+    newest = peft.get_peft_model_state_dict(lora)
+    assert max(float((read[n] - before[n]).abs().max()) for n in before) > 1e-3  # the step moved the adapters
+    assert all(torch.equal(read[n], newest[n]) for n in newest), "get_peft_model_state_dict right after step()"
+    accelerator.roundpipe_engine(lora).close()
