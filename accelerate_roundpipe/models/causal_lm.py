@@ -64,6 +64,33 @@ from .vocab_shards import resolve_head_shards
 _IGNORED_WHEN_FALSY = ("past_key_values", "output_attentions", "output_hidden_states", "output_router_logits",
                        "logits_to_keep", "num_logits_to_keep")
 _IGNORED = ("use_cache", "return_dict", "token_type_ids")
+# What a padding-free collator (TRL's `padding_free`, `packing=True`; HF's `DataCollatorWithFlattening`) adds beside
+# the restarting `position_ids` for flash attention: the same packing, which the pipeline reads from the positions.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _check_packing_kwargs(packing: dict[str, Any], position_ids) -> None:
+    """Flash attention's description of packed sequences is dropped: the pipeline packs by `position_ids` (each
+    sequence's ids restart at 0), as HF does without flash attention. Refused when it says another packing."""
+    if position_ids is None:
+        raise ValueError(f"{sorted(packing)} describe packed sequences, but no `position_ids` came with them: the "
+                         f"RoundPipe engine reads the packing from `position_ids` (restarting at 0 for each "
+                         f"sequence); pass them too.")
+    positions = torch.as_tensor(position_ids).reshape(-1).cpu()
+    starts = (positions == 0).nonzero().reshape(-1)
+    bounds = torch.cat([starts, torch.tensor([positions.numel()])])
+    expected = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+                "max_length_q": int((bounds[1:] - bounds[:-1]).max()) if len(starts) else 0,
+                "seq_idx": torch.cumsum(positions == 0, 0) - 1}
+    expected["max_length_k"] = expected["max_length_q"]
+    for key, value in packing.items():
+        want = expected[key]
+        agrees = (int(value) == want if not torch.is_tensor(value) or value.dim() == 0 else
+                  torch.equal(value.reshape(-1).cpu().long(), want.long()))
+        if not agrees:
+            raise ValueError(f"`{key}` describes another packing than `position_ids` (sequences starting at "
+                             f"{starts.tolist()}): the RoundPipe engine reads the packing from `position_ids` "
+                             f"alone (restarting at 0 for each sequence); make them agree, or leave `{key}` out.")
 
 
 def _causal_lm_output(loss, logits, aux_loss=None):
@@ -219,6 +246,9 @@ class CausalLMRoundPipe(RoundPipe):
             if not torch.equal(cache_position.cpu(), torch.arange(length)):
                 raise ValueError("`cache_position` other than 0..seq_len-1 needs a KV cache, which the RoundPipe "
                                  "engine does not keep; leave it unset (generate() works with use_cache=False).")
+        packing = {key: batch.pop(key) for key in _PACKING_KWARGS if batch.get(key) is not None}
+        if packing:
+            _check_packing_kwargs(packing, out.get("position_ids"))
         for key in _IGNORED:
             batch.pop(key, None)
         self._check_router_aux_switch(batch.pop("output_router_logits", None))

@@ -173,9 +173,9 @@ def test_fused_lm_head_fields_and_gradients_match_plain_float64(trl, tokenizer):
 # ---------------------------------------------------------------------- SFT
 
 
-def sft_run(trainer_class, trl, tokenizer, output_dir):
+def sft_run(trainer_class, trl, tokenizer, output_dir, **config):
     dataset = __import__("datasets").Dataset.from_dict({"text": texts()})
-    args = trl.SFTConfig(**common_args(output_dir), max_length=32)
+    args = trl.SFTConfig(**common_args(output_dir), max_length=32, **config)
     trainer = trainer_class(model=tiny_model(tokenizer), args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     return trainer
@@ -191,6 +191,25 @@ def test_roundpipe_sft_trainer_gives_the_plain_sft_run(trl, tokenizer, roundpipe
     assert ours.roundpipe_engine is not None
     assert_logs_close(logged(ours, LOGGED), logged(plain, LOGGED), "SFT losses, grad norms, entropy, accuracy")
     assert any("roundpipe/host_rss_gib" in entry for entry in ours.state.log_history)
+
+
+def test_packed_sft_gives_the_plain_packed_run(trl, tokenizer, roundpipe_env, tmp_path):
+    """`packing=True` (padding-free batches: restarting `position_ids` plus flash attention's `cu_seq_lens_*`,
+    `max_length_*` and `seq_idx`, which say the same packing): the plain packed run's logs. Before, every step was
+    refused: `TypeError: unexpected batch keys for the RoundPipe engine: ['cu_seq_lens_k', ...]`."""
+    from accelerate_roundpipe.integrations.trl import RoundPipeSFTTrainer
+
+    plain = sft_run(trl.SFTTrainer, trl, tokenizer, tmp_path / "plain", packing=True)
+    ours = sft_run(RoundPipeSFTTrainer, trl, tokenizer, tmp_path / "rp", packing=True)
+    assert_logs_close(logged(ours, LOGGED), logged(plain, LOGGED), "packed SFT losses, grad norms, entropy, accuracy")
+    engine = ours.roundpipe_engine
+    ids = torch.arange(4, 12).view(1, 8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        engine.module.eval()
+        with pytest.raises(ValueError, match="describes another packing than `position_ids`"):
+            engine.module(input_ids=ids, position_ids=positions, cu_seq_lens_q=torch.tensor([0, 4, 8]))
+    engine.close()
 
 
 def test_overridden_compute_loss_runs_on_the_workers(trl, tokenizer, roundpipe_env, tmp_path):
