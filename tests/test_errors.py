@@ -38,9 +38,27 @@ def test_not_a_sequential():
         RoundPipe(nn.Linear(3, 3), RoundPipeConfig(devices=["cpu"]))
 
 
-def test_batch_smaller_than_microbatch_count_names_the_knob():
+def test_batch_smaller_than_microbatch_count_names_the_knob(monkeypatch):
     engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"], num_microbatches=4))
-    with pytest.raises(ValueError, match=r"3 rows but num_microbatches \(env ROUNDPIPE_NUM_MICROBATCHES\) is 4"):
+    with pytest.raises(ValueError, match=r"3 rows but num_microbatches is 4 \(given as num_microbatches "
+                                         r"\(--roundpipe_num_microbatches, env ROUNDPIPE_NUM_MICROBATCHES\)=4\)"):
+        fb(engine, rows=3)
+    engine.close()
+    # Named where it was given: the variable, or a training argument (the message named the variable for both).
+    monkeypatch.setenv("ROUNDPIPE_NUM_MICROBATCHES", "4")
+    engine = RoundPipe(small(), RoundPipeConfig(devices=["cpu"]))
+    with pytest.raises(ValueError, match=r"3 rows but num_microbatches is 4 \(given as ROUNDPIPE_NUM_MICROBATCHES="):
+        fb(engine, rows=3)
+    engine.close()
+    monkeypatch.delenv("ROUNDPIPE_NUM_MICROBATCHES")
+    from accelerate_roundpipe import RoundPipeTrainingArguments
+    from accelerate_roundpipe.integrations.training_args import plugin_from_training_args
+
+    args = RoundPipeTrainingArguments(output_dir="unused", use_cpu=True, report_to=[], roundpipe_devices="cpu",
+                                      roundpipe_num_microbatches=4)
+    engine = RoundPipe(small(), plugin_from_training_args(args))
+    with pytest.raises(ValueError, match=r"3 rows but num_microbatches is 4 \(given as roundpipe_num_microbatches=4 "
+                                         r"\(a RoundPipeTrainingArguments field"):
         fb(engine, rows=3)
     engine.close()
 
@@ -241,7 +259,7 @@ def test_short_batches_can_be_allowed_with_one_warning(caplog):
         engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)  # end of epoch 2
     assert torch.allclose(loss, reference) and caplog.text.count("Shown once") == 1
     assert engine.config.num_microbatches == 4
-    with pytest.raises(ValueError, match=r"2 rows but num_microbatches \(env ROUNDPIPE_NUM_MICROBATCHES\) is 4 "
+    with pytest.raises(ValueError, match=r"2 rows but num_microbatches is 4 \(given as .*\) "
                                          r"\(the second short batch in a row.*Set num_microbatches to at most 2"):
         engine.forward_backward(x[:2], labels=y[:2], loss_fn=loss_fn)
     engine.close()

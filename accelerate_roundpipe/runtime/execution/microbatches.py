@@ -112,13 +112,15 @@ class MicrobatchPolicy:
             if not self.allow_short_batches or self._last_was_short:
                 again = " (the second short batch in a row: not just the last batch of an epoch)" \
                     if self.allow_short_batches else ""
-                raise ValueError(f"the batch has {rows} rows but num_microbatches (env ROUNDPIPE_NUM_MICROBATCHES) is "
-                                 f"{requested}{again}; every micro-batch needs a row. Set num_microbatches to at most "
-                                 f"{rows} or use batches of at least {requested} rows.")
+                raise ValueError(f"the batch has {rows} rows but num_microbatches is {requested} (given as "
+                                 f"{self.config.setting_as_given('num_microbatches')}){again}; every micro-batch "
+                                 f"needs a row. Set num_microbatches to at most {rows} there, or use batches of at "
+                                 f"least {requested} rows.")
             if not self._warned_short_batch:
-                logger.warning("A batch of %d rows is shorter than num_microbatches=%d (ROUNDPIPE_NUM_MICROBATCHES); "
-                               "running it as %d micro-batches, as the last batch of an epoch. A second short batch "
-                               "in a row is an error. Shown once.", rows, requested, rows)
+                logger.warning("A batch of %d rows is shorter than num_microbatches=%d (given as %s); running it "
+                               "as %d micro-batches, as the last batch of an epoch. A second short batch in a row is "
+                               "an error. Shown once.", rows, requested, self.config.setting_as_given("num_microbatches"),
+                               rows)
                 self._warned_short_batch = True
         if strict:
             self._last_was_short = short
