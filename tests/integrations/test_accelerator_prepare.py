@@ -135,3 +135,23 @@ def test_model_state_dict_right_after_a_step_shows_the_newest_weights():
     assert max(float((read[n] - before[n]).abs().max()) for n in before) > 1e-3  # the step moved the adapters
     assert all(torch.equal(read[n], newest[n]) for n in newest), "get_peft_model_state_dict right after step()"
     accelerator.roundpipe_engine(lora).close()
+
+
+def test_a_clip_on_every_micro_step_of_a_window_says_to_gate_it_on_sync_gradients():
+    """A loop clipping on every micro-step of an accumulation window (accepted by plain Accelerate, where it clips the
+    partial sums) is refused at the second clip, saying how to write it. Before, the message said "clip once per
+    step" while the loop had called `optimizer.step()` after each micro-step (Accelerate skips the inner step)."""
+    import pytest
+
+    model = tiny_llama().double()
+    accelerator = make_accelerator(gradient_accumulation_steps=2, plugin=dict(param_dtype=torch.float64))
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with pytest.raises(RuntimeError, match=r"if accelerator.sync_gradients: accelerator.clip_grad_norm_"):
+        for step in range(2):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**lm_batch(seed=step)).loss)
+                accelerator.clip_grad_norm_(model.parameters(), 0.3)
+                optimizer.step()
+                optimizer.zero_grad()
+    accelerator.roundpipe_engine(model).close()

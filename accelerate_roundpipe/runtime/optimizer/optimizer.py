@@ -158,7 +158,11 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         foreign_steps.check_in_charge(self)
         self._drop_pending_passes()
         if self._clip is not None:
-            raise RuntimeError("clip_grad_norm_ was called twice before optimizer.step(); clip once per step.")
+            raise RuntimeError(
+                "clip_grad_norm_ was called twice before optimizer.step() took a step; clip once per step. With "
+                "gradient accumulation (accelerator.accumulate), clip on the last micro-batch of each window only, "
+                "`if accelerator.sync_gradients: accelerator.clip_grad_norm_(...)`: that clip acts on the whole "
+                "window's gradients (a clip of each micro-batch's partial sum is not supported).")
         clip = GradientClip(max_norm, self.step_order, self.layout, self.failure, self.trace)
         with self.failure.reserving("clip_grad_norm_()"):  # [Note: interrupted reservations]
             # top layers first: the order their gradients become final
