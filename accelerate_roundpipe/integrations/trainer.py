@@ -158,7 +158,8 @@ class RoundPipeTrainer(Trainer):
 
         def looking_call_event(event, *args, **kwargs):
             engine = self.roundpipe_engine
-            if engine is not None and any(_reads_the_model(callback, event) for callback in handler.callbacks):
+            if engine is not None and not engine.closed and \
+                    any(_reads_the_model(callback, event) for callback in handler.callbacks):
                 engine.synchronize()
             return call_event(event, *args, **kwargs)
 
