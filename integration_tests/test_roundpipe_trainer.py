@@ -230,3 +230,31 @@ def test_a_callback_sees_the_weights_after_each_step(data, tmp_path, async_optim
     ours.evaluate(eval_dataset=data[2].select(range(2)))  # the model's own forward again; no look at a closed engine
     if async_optimizer:
         close(reference)
+
+
+def test_only_callbacks_that_name_the_model_cost_a_look():
+    """A look waits for the step in flight: a timer or a logger of `logs` (the benchmarks' own callbacks) never
+    names the model and costs none; a handler naming it as a parameter or through `kwargs["model"]` (TRL's
+    SyncRefModelCallback) gets one; transformers' own callbacks none."""
+    from transformers import EarlyStoppingCallback, TrainerCallback
+
+    from accelerate_roundpipe.integrations.trainer import _reads_the_model
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            self.last = state.global_step
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs = logs
+
+    class Named(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            pass
+
+    class FromKwargs(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            self.norm = sum(p.norm() for p in kwargs["model"].parameters())
+
+    assert not any(_reads_the_model(Timer(), event) for event in ("on_step_end", "on_log", "on_evaluate"))
+    assert _reads_the_model(Named(), "on_step_end") and _reads_the_model(FromKwargs(), "on_log")
+    assert not _reads_the_model(EarlyStoppingCallback(), "on_evaluate")

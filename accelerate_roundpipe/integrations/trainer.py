@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -148,11 +150,13 @@ class RoundPipeTrainer(Trainer):
     def _show_weights_to_callbacks(self) -> None:
         """[Note: callbacks see the newest weights]
         Before an event that a callback of the user's own (or another library's: TRL's SyncRefModelCallback)
-        handles, the engine is synchronized, so the `model=` it is given shows the weights after every step taken, as
-        under the plain Trainer. Without it an `on_step_end` reading `model.named_parameters()` (an EMA, a weight-norm
-        log) saw the initial weights at every step of an exact run: the model shows the newest weights only after a
-        look. A look changes no step ([Note: looking changes nothing]); transformers' own callbacks read no weights,
-        so a run without such callbacks pays nothing."""
+        handles, and whose handler names the model, the engine is synchronized, so the `model=` it is given shows
+        the weights after every step taken, as under the plain Trainer. Without it an `on_step_end` reading
+        `model.named_parameters()` (an EMA, a weight-norm log) saw the initial weights at every step of an exact run:
+        the model shows the newest weights only after a look. A look changes no step
+        ([Note: looking changes nothing]), but it waits for the step in flight, which the next pass would otherwise
+        overlap: transformers' own callbacks read no weights, and handlers that never name the model (timers,
+        loggers of `logs`) cost none (`_reads_the_model`)."""
         handler = self.callback_handler
         call_event = handler.call_event
 
@@ -466,11 +470,25 @@ class RoundPipeTrainer(Trainer):
 
 def _reads_the_model(callback, event: str) -> bool:
     """Whether `callback` handles `event` and may read the model's weights there: any callback class but
-    transformers' own (flow, progress, early stopping, the reporters) and this package's."""
+    transformers' own (flow, progress, early stopping, the reporters) and this package's, whose handler names the
+    model (a `model` parameter, `kwargs["model"]`, `self.model`). A handler that never names it (a timer, a logger of
+    `logs` or `state`) costs no look: a look waits for the step in flight, which the next pass would overlap."""
     handler = getattr(type(callback), event, None)
     if handler is None or handler is getattr(TrainerCallback, event, None):
         return False
-    return not type(callback).__module__.startswith(("transformers.", "accelerate_roundpipe."))
+    if type(callback).__module__.startswith(("transformers.", "accelerate_roundpipe.")):
+        return False
+    return _names_the_model(handler)
+
+
+@functools.lru_cache(maxsize=256)
+def _names_the_model(handler) -> bool:
+    """Whether the source of `handler` names `model` (True when its source cannot be read)."""
+    try:
+        source = inspect.getsource(handler)
+    except (OSError, TypeError):
+        return True
+    return re.search(r"\bmodel\b", source) is not None
 
 
 class _FinishAtTrainEnd(TrainerCallback):
