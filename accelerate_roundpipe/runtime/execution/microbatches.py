@@ -119,8 +119,8 @@ class MicrobatchPolicy:
             if not self._warned_short_batch:
                 logger.warning("A batch of %d rows is shorter than num_microbatches=%d (given as %s); running it "
                                "as %d micro-batches, as the last batch of an epoch. A second short batch in a row is "
-                               "an error. Shown once.", rows, requested, self.config.setting_as_given("num_microbatches"),
-                               rows)
+                               "an error. Shown once.", rows, requested,
+                               self.config.setting_as_given("num_microbatches"), rows)
                 self._warned_short_batch = True
         if strict:
             self._last_was_short = short
