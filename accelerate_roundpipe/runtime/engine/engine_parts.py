@@ -24,6 +24,7 @@ from ..execution.adapter_switches import AdapterSwitches
 from ..execution.deferred import DeferredPasses
 from ..execution.dispatch import Dispatcher
 from ..execution.first_pass import FirstPassSizer
+from ..execution.layer_buffers import LayerBuffers
 from ..execution.measured_plan import MeasuredPlan
 from ..execution.microbatches import MicrobatchPolicy
 from ..state.host_store import HostStore
@@ -101,7 +102,9 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
         return store.buckets[store.bucket_of[id(param)][0]].trainable
 
     adapters = AdapterSwitches(list(pipeline), is_trainable)  # [Note: adapter switches]
-    launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes)
+    buffers = LayerBuffers(list(pipeline))  # [Note: layer buffers followed]
+    launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes,
+                          buffers)
     return EngineParts(devices, exchange, store, failure, passes, trace, plan, microbatches, dispatch, deferred,
                        threads, torn, launch)
 

@@ -14,6 +14,7 @@ from ..execution.adapter_switches import AdapterSwitches
 from ..execution.deferred import DeferredCommit, DeferredPasses
 from ..execution.dispatch import Dispatcher
 from ..execution.jobs import PassPlan, PassResults, SavedInputs
+from ..execution.layer_buffers import LayerBuffers
 from ..execution.measured_plan import MeasuredPlan
 from ..state.host_store import HostStore
 from .engine_checkpoint import PassCounts
@@ -25,10 +26,10 @@ class PassLauncher:
 
     def __init__(self, config: RoundPipeConfig, store: HostStore, failure: FailureFlag, partition: Partition,
                  plan: MeasuredPlan, dispatch: Dispatcher, deferred: DeferredPasses, threads: EngineThreads,
-                 adapters: AdapterSwitches, passes: PassCounts) -> None:
+                 adapters: AdapterSwitches, passes: PassCounts, buffers: LayerBuffers) -> None:
         self.config, self.store, self.failure, self.partition = config, store, failure, partition
         self.plan, self.dispatch, self.deferred, self.threads = plan, dispatch, deferred, threads
-        self.adapters, self.passes = adapters, passes
+        self.adapters, self.passes, self.buffers = adapters, passes, buffers
 
     def schedule(self, num_mb: int, mode: Mode) -> list[Task]:
         return self.dispatch.schedule(self.partition, num_mb, mode)
@@ -97,7 +98,7 @@ class PassLauncher:
         plan = PassPlan(self.passes.new_pass_index(), Mode.FORWARD, training, tuple(x[0].shape[0] for x in mb_inputs),
                         saved, keep_limit_bytes=self.plan.keep_limit_bytes, input_dtypes=_floating_dtypes(inputs),
                         reads_newest=not keep_for_backward, adapter_setting=adapter_setting,
-                        rng_stream=self.passes.new_rng_stream(training))
+                        buffer_reading=self.buffers.shown, rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index)
 
     def follow_adapter_switches(self, training: bool) -> tuple:
@@ -105,7 +106,15 @@ class PassLauncher:
         setting the pass runs with."""
         setting = self.adapters.check(training)
         self.show_adapter_setting(setting)
+        self.follow_layer_buffers()
         return setting
+
+    def follow_layer_buffers(self) -> None:
+        """[Note: layer buffers followed]: buffers changed on the user's layers reach the devices' copies."""
+        reading = self.buffers.read()
+        if self.buffers.needs(reading):
+            self.dispatch.wait_inflight()  # the passes in flight run with the copies' old values
+            self.buffers.show(reading, self.dispatch.layer_copies())
 
     def show_adapter_setting(self, setting: tuple) -> None:
         if self.adapters.needs(setting):
@@ -122,6 +131,10 @@ class PassLauncher:
             raise RuntimeError("weights changed between model(...) and its backward (optimizer.step() ran in "
                                "between), so the recomputation would differ from the forward. Call backward before "
                                "stepping the optimizer.")
+        if self.buffers.read() != forward.buffer_reading:  # [Note: layer buffers followed]
+            raise RuntimeError("a buffer of the model's layers changed between model(...) and its backward, so the "
+                               "recomputation would differ from the forward. Change buffers before the forward or "
+                               "after its backward.")
         self.show_adapter_setting(forward.adapter_setting)  # it recomputes with its forward's setting
         rows = list(forward.microbatch_rows)
         split = [torch.split(g, rows, dim=0) if g is not None else [None] * len(rows) for g in grads]

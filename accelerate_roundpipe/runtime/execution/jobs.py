@@ -44,6 +44,7 @@ class PassPlan:
     input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
     reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
     adapter_setting: tuple = ()  # PEFT's switches its forward runs with ([Note: adapter switches])
+    buffer_reading: tuple = ()  # the layers' buffers its forward ran with ([Note: layer buffers followed])
     # The key of its layers' RNG streams: the count of training passes before it, or -(n + 1) for the n-th
     # evaluation pass ([Note: RNG streams of passes] in rng_streams.py).
     rng_stream: int = 0
