@@ -23,6 +23,7 @@ PEFT's, so merging and saving are PEFT's own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from types import MethodType
@@ -42,7 +43,6 @@ _FORWARD_LOOKUPS = ("disable_adapters", "merged", "base_layer", "active_adapters
                     "lora_dropout", "scaling", "lora_variant", "_cast_input_dtype")
 # Off only to measure PEFT's own computation beside this one (benchmarks); read at each call.
 enabled = True
-_checked: dict[object, bool] = {}  # PEFT's Linear.forward -> whether it still reads what the fused forward copies
 
 
 def _linear_class() -> type | None:
@@ -51,15 +51,15 @@ def _linear_class() -> type | None:
     return None if layer is None else getattr(layer, "Linear", None)
 
 
-def _forward_unchanged(linear_class: type) -> bool:
-    forward = linear_class.forward
-    if forward not in _checked:
-        missing = [name for name in _FORWARD_LOOKUPS if not mentions(forward, name)]
-        if missing:
-            logger.warning("peft's lora.Linear.forward no longer reads %s: RoundPipe's layer copies run PEFT's own "
-                           "forward ([Note: LoRA added in the GEMM] in compat/peft_linear.py).", missing)
-        _checked[forward] = not missing
-    return _checked[forward]
+@functools.cache  # per function: its code cannot change under a running process ([Note: compat checks run once])
+def _forward_unchanged(forward) -> bool:
+    """Whether PEFT's `Linear.forward` still reads what the fused forward copies. The layer copies are made on the
+    workers' threads, so this is asked from several: a cache, not a dictionary of this module's to keep."""
+    missing = [name for name in _FORWARD_LOOKUPS if not mentions(forward, name)]
+    if missing:
+        logger.warning("peft's lora.Linear.forward no longer reads %s: RoundPipe's layer copies run PEFT's own "
+                       "forward ([Note: LoRA added in the GEMM] in compat/peft_linear.py).", missing)
+    return not missing
 
 
 def fuse_lora_adds(layer_copy: nn.Module) -> int:
@@ -67,7 +67,7 @@ def fuse_lora_adds(layer_copy: nn.Module) -> int:
     [Note: LoRA added in the GEMM]; returns how many. A module whose forward was already replaced on the instance
     keeps it."""
     linear_class = _linear_class()
-    if linear_class is None or not _forward_unchanged(linear_class):
+    if linear_class is None or not _forward_unchanged(linear_class.forward):
         return 0
     count = 0
     for module in layer_copy.modules():

@@ -372,7 +372,7 @@ class CausalLMRoundPipe(RoundPipe):
         them: the initial weights in a loop that never synchronized. A look changes no step
         ([Note: looking changes nothing]). A failed engine is not waited for: reading its module says whether the
         weights are torn ([Note: torn weights])."""
-        if self._failure.error is None and not self._failure.closed:
+        if self._failure.error is None and not self.closed:
             self.synchronize()
         return original_state_dict(*args, **kwargs)
 
@@ -405,7 +405,8 @@ class CausalLMRoundPipe(RoundPipe):
             config.save_pretrained(directory)
 
     def close(self) -> None:
-        """Stop the engine and give the model back its own forward, generate, save_pretrained and state_dict."""
+        """Stop the engine and give the model back its own forward, generate, save_pretrained, zero_grad and
+        state_dict."""
         try:
             super().close()
         finally:

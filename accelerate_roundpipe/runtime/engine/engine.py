@@ -188,7 +188,7 @@ class RoundPipe(HostResidentModule):
         counted_labels = ignore_index if loss_fn is not None else None
         try:
             self._before_pass(inputs)
-            self._launch.follow_adapter_switches(training=True)
+            self._launch.follow_user_layers(training=True)
             inputs = tensor_tuple(inputs, "forward_backward inputs")
             rows, num_mb, mb_inputs = self._microbatches.split(inputs)
             mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
@@ -280,7 +280,7 @@ class RoundPipe(HostResidentModule):
         self._before_pass(inputs)
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
-        adapter_setting = self._launch.follow_adapter_switches(training=keep_for_backward)
+        adapter_setting = self._launch.follow_user_layers(training=keep_for_backward)
         plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
                                                   keep_for_backward, adapter_setting)
         self._dispatch.enqueue(self._launch.forward_schedule(num_mb, keep_for_backward), plan, results, mb_inputs)

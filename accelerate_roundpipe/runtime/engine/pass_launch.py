@@ -101,8 +101,9 @@ class PassLauncher:
                         buffer_reading=self.buffers.shown, rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index)
 
-    def follow_adapter_switches(self, training: bool) -> tuple:
-        """[Note: adapter switches]: PEFT's switches set on the user's layers reach the devices' copies; returns the
+    def follow_user_layers(self, training: bool) -> tuple:
+        """What the user set on their layers since the last pass reaches the devices' copies before this one: PEFT's
+        switches ([Note: adapter switches]) and the buffers ([Note: layer buffers followed]). Returns the adapter
         setting the pass runs with."""
         setting = self.adapters.check(training)
         self.show_adapter_setting(setting)
