@@ -155,9 +155,9 @@ def test_each_shard_moves_only_its_rows(monkeypatch, tied):
         uploads.extend((h.data_ptr(), h.numel()) for h in hosts)
         return real_upload(self, flats, hosts)
 
-    def commit(self, grad, grad_sq=None, window=None):
+    def commit(self, grad, grad_sq=None, window=None, used=None):
         commits.append((self.index, window or (0, self.grad.numel())))
-        return real_commit(self, grad, grad_sq, window)
+        return real_commit(self, grad, grad_sq, window, used)
 
     monkeypatch.setattr(Device, "upload_params_into", upload)
     monkeypatch.setattr(Bucket, "commit", commit)

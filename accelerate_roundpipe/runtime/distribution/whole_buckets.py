@@ -28,10 +28,13 @@ class WholeBuckets:
         self.user = user
         self.owner = shallow_copy(user, [dict(g, params=list(g["params"])) for g in user.param_groups])
         self.owner.state = defaultdict(dict)
+        # The steppers step each slot's twin, which only the bucket gives a `.grad`; the state stays keyed by the
+        # optimizer copies the user holds ([Note: parameters without a gradient]).
         self.steppers = BucketSteppers(self.owner, {
-            bucket.index: [[s.optim for s in bucket.slots if id(s.optim) in ids] for ids in
+            bucket.index: [[s.twin for s in bucket.slots if id(s.optim) in ids] for ids in
                            ({id(p) for p in g["params"]} for g in user.param_groups)]
-            for bucket in store.trainable_buckets})
+            for bucket in store.trainable_buckets},
+            canonical={id(s.twin): s.optim for bucket in store.trainable_buckets for s in bucket.slots})
         if user.state:  # e.g. loaded before `prepare`: the steps go on from it, in the owner's own tensors
             state = user.state_dict()
             state["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()}

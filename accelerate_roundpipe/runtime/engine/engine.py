@@ -39,6 +39,7 @@ from ..optimizer.optimizer import RoundPipeOptimizer
 from ..state.host_resident import HostResidentModule
 from ..state.host_store import HostStore
 from ..state.placement import OptimizerPlacement
+from ..state.weight_edits import WeightEdits, apply_edits, kept_values
 from . import engine_checkpoint
 from .engine_parts import build_engine_parts
 from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
@@ -83,6 +84,7 @@ class RoundPipe(HostResidentModule):
         self._deferred, self._background = parts.deferred, parts.threads
         self._torn, self._launch = parts.torn, parts.launch
         self._placement: OptimizerPlacement | None = None  # made when the optimizer is wrapped
+        self._weight_edits = WeightEdits(self._store)  # [Note: weight edits followed]
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
@@ -158,6 +160,7 @@ class RoundPipe(HostResidentModule):
         wrapped = RoundPipeOptimizer(optimizer, self._store, self._failure, self.config.resolved_async_optimizer,
                                      deferred_passes=self._deferred, trace=self.trace, replaces=self.optimizer,
                                      exact_steps_first=self.config.resolved_async_warmup_steps,
+                                     before_step=_weakly(self.follow_weight_edits),  # [Note: weight edits followed]
                                      layout_of=lambda user: self._exchange.optimizer_layout(user, self._store,
                                                                                             self.trace))
         self._background.use_optimizer(wrapped)
@@ -306,11 +309,31 @@ class RoundPipe(HostResidentModule):
         """Wait for every task and optimizer step; then `self.module` holds the newest weights and `p.grad` of
         `self.parameters()` the accumulated gradients."""
         self._failure.check()
+        if self.optimizer is not None:  # [Note: parameters without a gradient]
+            self.optimizer.follow_user_grads()
+        edits = self._weight_edits.edited()  # [Note: weight edits followed]
+        values = kept_values(edits) if edits else None
         self._dispatch.wait_inflight()
         self._deferred.wait_idle()
         if self.optimizer is not None:
             self.optimizer.synchronize()
         self._failure.check()
+        if edits:
+            apply_edits(edits, values)
+            self._weight_edits.took_in()
+            logger.debug("parameters changed in place after wrapping, followed: %s",
+                         ", ".join(bucket.slots[i].name for bucket, slots in edits.values() for i in slots))
+
+    @property
+    def weight_edits_followed(self) -> int:
+        """How many looks took in parameters the user changed in place ([Note: weight edits followed])."""
+        return self._weight_edits.followed
+
+    def follow_weight_edits(self) -> None:
+        """Take in parameters the user changed in place since the engine last looked
+        ([Note: weight edits followed]): a `synchronize()` when one changed, else nothing."""
+        if self._weight_edits.edited():
+            self.synchronize()
 
     def wait_for_work(self) -> None:
         """Wait for every task and optimizer step queued so far, without a look: unlike `synchronize()`, nothing is
@@ -437,6 +460,9 @@ class RoundPipe(HostResidentModule):
                                self._microbatches.sizing)
 
     def _before_pass(self, inputs: Any) -> None:
+        self.follow_weight_edits()
+        if self.optimizer is not None:  # before this pass's commits: [Note: parameters without a gradient]
+            self.optimizer.follow_user_grads()
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
             self._microbatches.size_before_start(inputs)  # the summary says why the first pass has its count
@@ -454,5 +480,20 @@ class RoundPipe(HostResidentModule):
             raise ValueError("load_state_dict(assign=True) would detach the module from the host store; use "
                              "assign=False.")
         self.synchronize()
-        with engine_checkpoint.loading_compute_copies(self._store, self.optimizer):
-            return self.module.load_state_dict(state_dict, strict=strict)
+        try:
+            with engine_checkpoint.loading_compute_copies(self._store, self.optimizer):
+                return self.module.load_state_dict(state_dict, strict=strict)
+        finally:
+            self._weight_edits.record()  # both copies hold what was loaded: nothing to follow
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """`method` of an object the caller must not keep alive (the optimizer would the engine)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call

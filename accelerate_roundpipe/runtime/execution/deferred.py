@@ -34,12 +34,12 @@ class DeferredCommit:
 
 
 def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor,
-                 window: tuple[int, int] | None = None) -> torch.Tensor | None:
-    """Where a deferred pass's gradients (of the elements `window`, [Note: row windows]) go; returns what to commit
-    directly into the gradient buffer."""
+                 window: tuple[int, int] | None = None, used: frozenset[int] | None = None) -> torch.Tensor | None:
+    """Where a deferred pass's gradients (of the elements `window`, [Note: row windows]; of the slots `used`,
+    [Note: parameters without a gradient]) go; returns what to commit directly into the gradient buffer."""
     if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
         return grad
-    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window)
+    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window, used=used)
     deferred.pending_started.add(bucket.index)
     return None
 

@@ -58,11 +58,13 @@ class GradCommits:
         # Sized like the optimizer copy (the gradient's size and dtype; `bucket.grad` itself may be mid-swap).
         # A task that read only rows of a bucket downloads those rows ([Note: row windows]).
         windows = [params.windows[b] for b, _ in tickets]
+        # read now, on the worker's thread, after the backward passed these buckets' layers
+        used = [params.used_slots(b) for b, _ in tickets]  # [Note: parameters without a gradient]
         outs = [self._download_buffer(self.store.buckets[b], window) for (b, _), window in zip(tickets, windows)]
         payload = self.device.download_grads_into([params.grads[b] for b, _ in tickets], outs)
         if last:  # the task's compute is all queued; unbind before `job.done` can be set (callers may then look)
             self.residency.unbind()
-        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, windows, last))
+        self.committer.submit(lambda: self._commit_on_host(job, payload, tickets, windows, used, last))
 
     def _download_buffer(self, bucket: Bucket, window: tuple[int, int]) -> torch.Tensor:
         """Where a bucket's gradients (elements `window`) land, in the optimizer dtype: a buffer of the host pool, or
@@ -84,30 +86,31 @@ class GradCommits:
         return bool(job.grad_tickets)
 
     def _commit_on_host(self, job: TaskJob, payload: Payload, tickets: list[tuple[int, int]],
-                        windows: list[tuple[int, int]], last: bool) -> None:
+                        windows: list[tuple[int, int]], used: list[frozenset[int]], last: bool) -> None:
         try:
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} download"):
                 *grads, squares = payload.host()
             with maybe_span(self.trace, f"{self.device} commit", f"{job.task} add"):
-                self._add_grads(job, tickets, windows, grads, squares.tolist())
+                self._add_grads(job, tickets, windows, used, grads, squares.tolist())
         finally:
             if last:
                 job.done.set(True)
 
-    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], windows: list[tuple[int, int]], grads: list,
-                   squares: list[float]) -> None:
-        """Commit downloaded gradients (and their device-measured squared norms) in their buckets' turn (a deferred
-        pass's may be held apart instead), then return the spare buffer to the pool."""
-        for (bucket_index, ticket), window, grad, square in zip(tickets, windows, grads, squares):
+    def _add_grads(self, job: TaskJob, tickets: list[tuple[int, int]], windows: list[tuple[int, int]],
+                   used: list[frozenset[int]], grads: list, squares: list[float]) -> None:
+        """Commit downloaded gradients (their device-measured squared norms, and which of each bucket's parameters
+        the backward reached) in their buckets' turn (a deferred pass's may be held apart instead), then return the
+        spare buffer to the pool."""
+        for (bucket_index, ticket), window, slots, grad, square in zip(tickets, windows, used, grads, squares):
             bucket = self.store.buckets[bucket_index]
             spare = grad  # what goes back to the pool once this commit is done
             bucket.grads.begin(ticket, self.failure, f"gradient turn {ticket} of {bucket} for {job.task}")
             try:
                 faults.point("commit")
                 if job.results.deferred is not None:
-                    grad = route_commit(job.results.deferred, bucket, grad, window)
+                    grad = route_commit(job.results.deferred, bucket, grad, window, slots)
                 if grad is not None:
-                    spare = bucket.commit(grad, square, window)
+                    spare = bucket.commit(grad, square, window, slots)
             except BaseException as error:
                 # Flagged before the turn ends: the step waiting for this turn must not take it as committed.
                 self.failure.fail(error, f"{threading.current_thread().name} (commit of {bucket})")

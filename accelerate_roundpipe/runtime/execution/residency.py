@@ -33,10 +33,12 @@ class TaskParams:
     requires grad would instead cost a full-size zero tensor per parameter per backward). `tickets` are the read
     tickets not yet ended (held until the copies have read the host), `unissued` those whose upload is not issued
     yet: always a suffix of `tickets`. `windows[b]` are the elements [start, stop) of bucket b that `flats[b]` holds:
-    the whole bucket, or the rows the task's layers read ([Note: row windows]).
+    the whole bucket, or the rows the task's layers read ([Note: row windows]). `grad_uses[b]` says which of bucket
+    b's parameters the task's backward reached ([Note: parameters without a gradient]).
     """
 
-    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "newest", "profile")
+    __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "grads", "grad_uses", "newest",
+                 "profile")
 
     def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
                  tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
@@ -49,6 +51,14 @@ class TaskParams:
         self.events: dict[int, object] = {}
         self.pending: set[int] = set()
         self.grads: dict[int, torch.Tensor] = {}
+        # bucket -> (slot index, the `.grad` preset on a use of that slot, its version when preset), one per use
+        self.grad_uses: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+
+    def used_slots(self, bucket_index: int) -> frozenset[int]:
+        """The slots of `bucket_index` whose gradient the task's backward accumulated into, so far: a preset `.grad`
+        that autograd added into in place has a new version ([Note: parameters without a gradient])."""
+        return frozenset(slot for slot, grad, version in self.grad_uses.get(bucket_index, ())
+                         if grad._version != version)
 
     def mark_issued(self, batch: list[tuple[int, int]], events: list) -> None:
         del self.unissued[:len(batch)]
@@ -58,7 +68,7 @@ class TaskParams:
                 self.pending.add(bucket_index)
 
 
-ViewSpec = tuple  # (bucket index, shape, stride, offset in the task's flat of that bucket)
+ViewSpec = tuple  # (bucket index, shape, stride, offset in the task's flat of that bucket, slot index)
 
 
 class BindPlan:
@@ -95,7 +105,8 @@ class BindPlan:
         start, stop = binding.window or (slot.offset, slot.offset + slot.numel)
         shape = binding.shape or slot.shape
         stride = torch.empty(stop - start, device="meta").view(shape).stride()  # the view's own strides
-        return binding.bucket_index, shape, stride, start - store.window(layers, binding.bucket_index)[0]
+        return (binding.bucket_index, shape, stride, start - store.window(layers, binding.bucket_index)[0],
+                binding.slot_index)
 
 
 class ParamResidency:
@@ -234,14 +245,19 @@ class ParamResidency:
     @staticmethod
     def _view(params: TaskParams, view: ViewSpec) -> torch.Tensor:
         """One tensor per parameter use (tied uses share it): a view of the task's flat, a leaf whose `.grad` is
-        preset to the same view of its gradient flat."""
-        bucket_index, shape, stride, offset = view
+        preset to the same elements of its gradient flat, as a tensor with a version counter of its own
+        ([Note: parameters without a gradient])."""
+        bucket_index, shape, stride, offset, slot_index = view
         flat = params.flats[bucket_index]
         tensor = flat.as_strided(shape, stride, flat.storage_offset() + offset)
         grad = params.grads.get(bucket_index)
         if grad is not None:
             tensor.requires_grad_(True)
-            tensor.grad = grad.as_strided(shape, stride, grad.storage_offset() + offset)
+            # `set_`, not a view: a view shares its base's version counter, so every parameter of the bucket would
+            # seem reached as soon as one was.
+            preset = grad.new_empty(0).set_(grad.untyped_storage(), grad.storage_offset() + offset, shape, stride)
+            tensor.grad = preset
+            params.grad_uses.setdefault(bucket_index, []).append((slot_index, preset, preset._version))
         return tensor
 
     def await_layer(self, params: TaskParams, layer_index: int) -> None:

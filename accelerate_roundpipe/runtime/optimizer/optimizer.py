@@ -53,7 +53,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
     def __init__(self, inner: torch.optim.Optimizer, store: HostStore, failure: FailureFlag,
                  async_step: bool, deferred_passes: DeferredPasses | None = None, trace=None,
                  exact_steps_first: int = 0, layout_of: Callable | None = None,
-                 replaces: RoundPipeOptimizer | None = None) -> None:
+                 replaces: RoundPipeOptimizer | None = None, before_step: Callable[[], None] | None = None) -> None:
         # Not calling Optimizer.__init__: the groups stay the user's optimizer's own objects.
         self.inner = inner
         self.defaults = inner.defaults
@@ -70,6 +70,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.async_step = async_step
         self.exact_steps_first = exact_steps_first  # an async warm-up: the first steps are exact
         self.steps_taken = 0
+        self.before_step = before_step  # the engine's: [Note: weight edits followed]
         self._deferred_passes = deferred_passes  # passes never back-propagated are dropped before gradients are used
         self.trace = trace
         self._held_writebacks: list[Bucket] = []  # write-backs held until the next iteration reserved its reads
@@ -119,6 +120,9 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
                              "pipeline; call engine.forward_backward(...) then optimizer.step().")
         self.failure.check()
         foreign_steps.check_in_charge(self, step=True)
+        if self.before_step is not None:  # the engine's: [Note: weight edits followed]
+            self.before_step()
+        self.follow_user_grads()
         # [Note: scheduler step count]; first, so that a library check failing in it leaves nothing half-stepped
         mark_stepped_for_scheduler(self.inner)
         self._drop_pending_passes()
@@ -157,6 +161,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.failure.check()
         foreign_steps.check_in_charge(self)
         self._drop_pending_passes()
+        self.follow_user_grads()
         if self._clip is not None:
             raise RuntimeError(
                 "clip_grad_norm_ was called twice before optimizer.step() took a step; clip once per step. With "
@@ -323,8 +328,30 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         foreign_steps.check_in_charge(self)
         self._drop_pending_passes()
         self._clip = None  # a clip measured gradients that are gone now
+        self.follow_user_grads()
         with self.failure.reserving("zero_grad()"):  # [Note: interrupted reservations]
             self._reserve_zeroing(set_to_none)
+
+    def follow_user_grads(self) -> None:
+        """Apply what the user set as the optimizer copies' `.grad` since the engine last did (`p.grad = None`,
+        `p.grad = t`), in program order: in gradient turns reserved now, after what was queued before
+        ([Note: parameters without a gradient]). On the caller's thread, at each call that uses gradients."""
+        changed = [(bucket, changes) for bucket in self.step_order if (changes := bucket.user_grad_changes())]
+        if not changed:
+            return
+        with self.failure.reserving("the user's changes of `.grad`"):  # [Note: interrupted reservations]
+            turns = [(bucket, bucket.grads.reserve(), changes) for bucket, changes in changed]
+            submit = self.thread.submit if self._deferred_passes is None else self._deferred_passes.submit
+            submit(lambda: self._apply_user_grads(turns))
+
+    def _apply_user_grads(self, turns: list[tuple[Bucket, int, dict]]) -> None:
+        for bucket, ticket, changes in turns:
+            self.failure.check()
+            bucket.grads.begin(ticket, self.failure, f"gradients of {bucket} for the user's changes of `.grad`")
+            try:
+                bucket.apply_user_grads(changes)
+            finally:
+                bucket.grads.end(ticket)
 
     def _reserve_zeroing(self, set_to_none: bool) -> None:
         """Each bucket cleared (or zeroed) in a turn after its step, as soon as it is stepped, beside the optimizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import queue
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,10 @@ class ParamSlot:
     numel: int
     shape: torch.Size
     optim: nn.Parameter | None = None  # the optimizer copy (trainable only)
+    # The same elements as `optim` under another tensor, which the engine's steppers step: its `.grad` is set by
+    # the bucket alone, so what the user does to `optim.grad` meanwhile never reaches a step in flight
+    # ([Note: parameters without a gradient]).
+    twin: nn.Parameter | None = None
     # The dtype the parameter had before the store took it over: what a saved model holds ([Note: saved model dtype]).
     model_dtype: torch.dtype | None = None
 
@@ -58,9 +63,21 @@ class Bucket:
     # optimizer's `.grad` views of its last two gradient buffers ([Note: device gradient buffers reused]).
     spare_grads: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
     grad_views: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    # Which slots hold a gradient while `grad_valid` (the others' `.grad` is None), which the pending gradients
+    # reach, and the `.grad` each slot was given, to see what the user changed
+    # ([Note: parameters without a gradient]).
+    grad_slots: set[int] = field(default_factory=set, repr=False)
+    pending_slots: set[int] = field(default_factory=set, repr=False)
+    attached: list[torch.Tensor | None] = field(default_factory=list, repr=False)
+    # Held while `attached` and the `.grad` attributes are written or compared (a commit thread and the caller's).
+    grads_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # `grad`'s version counter when `grad_sq` and `written` were last true of it: a write by anyone else (the user's
+    # `p.grad.mul_`, `clip_grad_value_`) shows as another version ([Note: parameters without a gradient]).
+    grad_version: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
         self.versions = WeightVersions(self.compute, self.optim)
+        self.all_slots = frozenset(range(len(self.slots)))
 
     @property
     def steps(self) -> StepCount:
@@ -113,6 +130,7 @@ class Bucket:
         self.optim = optim
         for slot, view in zip(self.slots, self.views(optim)):
             slot.optim.data = view
+            slot.twin.data = view
         self.versions.moved_optim(optim, resident)
 
     def settle(self) -> None:
@@ -126,17 +144,20 @@ class Bucket:
         bucket's tier knows ([Note: state tiers])."""
         self.tier.settle()
 
-    # The gradient operations below are the only writers of `grad`, `grad_valid` and `pending`; each runs in the
-    # bucket's gradient turn (`grads`), on whichever host thread holds it.
+    # The gradient operations below are the only writers of `grad`, `grad_valid`, `grad_slots` and `pending`; each
+    # runs in the bucket's gradient turn (`grads`), on whichever host thread holds it.
 
     def commit(self, grad: torch.Tensor, grad_sq: float | None = None,
-               window: tuple[int, int] | None = None) -> torch.Tensor:
-        """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device): add them to a buffer
-        that holds gradients, or swap the download in as the buffer of an empty one ([Note: gradient swap]); a
-        `window` download (elements [start, stop): [Note: row windows]) goes into its rows. Returns the spare
-        buffer nobody reads any more (None: a cleared host bucket held none)."""
+               window: tuple[int, int] | None = None, used: frozenset[int] | None = None) -> torch.Tensor:
+        """Commit downloaded gradients (`grad_sq`: their squared norm, measured on the device; `used`: the slots
+        the backward reached, None for all): add them to a buffer that holds gradients, or swap the download in as
+        the buffer of an empty one ([Note: gradient swap]); a `window` download (elements [start, stop):
+        [Note: row windows]) goes into its rows. Returns the spare buffer nobody reads any more (None: a cleared
+        host bucket held none)."""
+        self._check_version()
+        used = self.all_slots if used is None else used
         if window is not None and window != (0, self.optim.numel()):
-            spare = self._commit_window(grad, grad_sq, window)
+            spare = self._commit_window(grad, grad_sq, window, used)
             self.settle()
             return spare
         if self.grad_valid:
@@ -145,15 +166,17 @@ class Bucket:
             # [Note: device norms] a sum's norm is not the sum of norms, unless what was held was exactly zero.
             self.grad_sq = grad_sq if self.grad_sq == 0.0 else None
             self.written = None
+            self._reach(used)
             return grad
         spare, self.grad = self.grad, grad
         self.grad_valid = True
         self.grad_sq = grad_sq
         self.written = None
-        self._attach_grads()
+        self._reach(used, fresh=True)
         return spare
 
-    def _commit_window(self, grad: torch.Tensor, grad_sq: float | None, window: tuple[int, int]) -> torch.Tensor:
+    def _commit_window(self, grad: torch.Tensor, grad_sq: float | None, window: tuple[int, int],
+                       used: frozenset[int]) -> torch.Tensor:
         start, stop = window
         if not self.grad_valid:  # the rows outside the window hold no gradient: zero them, once
             if self.grad is None:  # a cleared host bucket: a whole buffer from the pool
@@ -163,7 +186,7 @@ class Bucket:
             self.grad[start:stop].copy_(grad)
             self.grad_valid = True
             self.grad_sq, self.written = grad_sq, [window]
-            self._attach_grads()
+            self._reach(used, fresh=True)
             return grad
         # [Note: device norms] norms add where the window held exactly zero: all zero, or outside every window
         # written since the buffer was last zero.
@@ -174,6 +197,7 @@ class Bucket:
         self.grad_sq = self.grad_sq + grad_sq if known_zero and None not in (self.grad_sq, grad_sq) else None
         if self.written is not None:
             self.written.append(window)
+        self._reach(used)
         return grad
 
     def clear(self) -> None:
@@ -181,20 +205,23 @@ class Bucket:
         host bucket gives its buffer back to the pool ([Note: no spare gradient buffer])."""
         self.grad_valid = False
         self.grad_sq = None
+        self.grad_slots = set()
         self._detach_grads()
         if self.tier.gives_back_cleared_grads and self.grad is not None:
             buffer, self.grad = self.grad, None
             self.tier.return_spare(self, buffer)
 
     def zero(self) -> None:
-        """Zero held gradients in place (`zero_grad(set_to_none=False)`)."""
+        """Zero held gradients in place (`zero_grad(set_to_none=False)`): a parameter that had a gradient keeps a
+        zero one, one that had none still has none, as torch's optimizers leave them."""
+        self._check_version()
         if self.grad_valid:
             self.grad.zero_()
             self.settle()
-            self.grad_sq = 0.0
-            self.written = []
+            self._known(0.0, [])
 
     def scale(self, ratio: float) -> None:
+        self._check_version()
         self.grad.mul_(ratio)
         self.settle()
         self.record_scale(ratio)
@@ -203,26 +230,31 @@ class Bucket:
         """The optimizer's kernel multiplied the gradients by `ratio` as it read them ([Note: clip in the kernel])."""
         scaled = None if self.grad_sq is None else self.grad_sq * ratio * ratio
         # an infinite norm times a 0 coefficient is not the norm of what the gradients became: measure it again
-        self.grad_sq = scaled if scaled is not None and math.isfinite(scaled) else None
+        self._known(scaled if scaled is not None and math.isfinite(scaled) else None, self.written)
 
     def squared_norm(self) -> float:
         """The squared L2 norm of the held gradients: the device's measurement when there is one, else a host
         pass over the buffer (0 without gradients)."""
+        self._check_version()
         if not self.grad_valid:
             return 0.0
         if self.grad_sq is None:
-            self.grad_sq = float(torch.linalg.vector_norm(self.grad)) ** 2
+            self._known(float(torch.linalg.vector_norm(self.grad)) ** 2, self.written)
         return self.grad_sq
 
-    def add_pending(self, grad: torch.Tensor, first: bool, window: tuple[int, int] | None = None) -> None:
+    def add_pending(self, grad: torch.Tensor, first: bool, window: tuple[int, int] | None = None,
+                    used: frozenset[int] | None = None) -> None:
         """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
         sum, overwriting what an earlier pass left ([Note: deferred gradient commit]); `window`: the elements the
-        download covers ([Note: row windows])."""
+        download covers ([Note: row windows]); `used`: the slots it reached, None for all."""
         start, stop = window or (0, self.optim.numel())
+        used = self.all_slots if used is None else used
         if not first:
             self.pending[start:stop].add_(grad)
             self.settle()
+            self.pending_slots |= used
             return
+        self.pending_slots = set(used)
         if self.pending is None:
             self.pending = torch.empty_like(self.optim)  # the gradient's size, dtype and device
         self.pending[:start].zero_()
@@ -235,6 +267,7 @@ class Bucket:
         self.settle()
         self.grad_sq = None
         self.written = None
+        self._reach(frozenset(self.pending_slots))
 
     def give_spare_grad(self, buffer: torch.Tensor) -> None:
         """[Note: device gradient buffers reused]
@@ -266,10 +299,103 @@ class Bucket:
         return views
 
     def _attach_grads(self) -> None:
+        """Each slot's `.grad`: its view of `grad` where it holds a gradient, else None."""
         assert self.grad is not None
-        for slot, view in zip(self.slots, self._grad_views()):
-            slot.optim.grad = view
+        views = self._grad_views()
+        self._set_grads([views[i] if i in self.grad_slots else None for i in range(len(self.slots))])
 
     def _detach_grads(self) -> None:
-        for slot in self.slots:
-            slot.optim.grad = None
+        self._set_grads([None] * len(self.slots))
+
+    def _set_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """The twins' `.grad` become `grads`, and so do the optimizer copies' where the user has not set one since
+        the bucket last did: a change of the user's not yet taken in stays for the next `user_grad_changes`
+        ([Note: parameters without a gradient])."""
+        with self.grads_lock:
+            before = self.attached or [None] * len(self.slots)
+            for slot, was, grad in zip(self.slots, before, grads):
+                if slot.optim.grad is was:
+                    slot.optim.grad = grad
+                slot.twin.grad = grad
+            self.attached = grads if any(g is not None for g in grads) else []
+
+    def _known(self, grad_sq: float | None, written: list[tuple[int, int]] | None) -> None:
+        """`grad_sq` and `written` are true of `grad` as it is now."""
+        self.grad_sq, self.written = grad_sq, written
+        self.grad_version = self.grad._version
+
+    def _reach(self, used: frozenset[int], fresh: bool = False) -> None:
+        """[Note: parameters without a gradient]
+        A parameter that no loss reaches has `.grad` None in plain torch, and torch's optimizers skip it: no
+        weight decay, no momentum, no step count. A bucket has one gradient buffer for all its parameters, so the
+        backward's unreached ones would read as zero gradients and be stepped. Each task's backward therefore says
+        which slots it reached (`TaskParams.used_slots`: the `.grad` preset on each parameter use is a tensor with
+        a version counter of its own, which autograd's in-place accumulation bumps; reading it costs a tenth of a
+        microsecond, where a hook per parameter cost three), and only those slots get their view of the buffer as
+        `.grad`: a slot's `.grad` is None until some commit since the last `zero_grad(set_to_none=True)` reached
+        it. The unreached slots' elements stay zero, so the norms are unchanged. Under data parallelism every rank
+        steps its ranges with the reduced gradient whatever reached it (the shards' own `.grad`), as before.
+        The user's own changes are taken where plain torch would see them, in program order: each call of the
+        caller's (a pass, `step()`, `zero_grad()`, `clip_grad_norm_`) first compares every slot's `.grad` with what
+        the bucket gave it (`user_grad_changes`, under `grads_lock`, which the commit threads' attaching holds
+        too) and applies what changed in a gradient turn reserved then (`apply_user_grads`): after the step or
+        backward queued before, before anything queued after. `p.grad = None` on an optimizer copy forgets that
+        gradient (zeroed, then None; the whole buffer goes back once no slot holds one), `p.grad = t` replaces it
+        with `t`'s values. A change made while a backward still runs races it, as reading `p.grad` does: call
+        `synchronize()` first."""
+        if fresh or not used <= self.grad_slots:
+            self.grad_slots = set(used) if fresh else self.grad_slots | used
+            self._attach_grads()
+        self.grad_version = self.grad._version  # this turn's own write
+
+    def user_grad_changes(self) -> dict[int, torch.Tensor | None]:
+        """What the user set as the optimizer copies' `.grad` since this bucket last set them (slot index -> the
+        tensor, or None), taken as seen: on the caller's thread, in program order, for `apply_user_grads` in a
+        gradient turn reserved now ([Note: parameters without a gradient]). (torch refuses a `.grad` of another
+        shape, dtype or device when it is set.)"""
+        with self.grads_lock:
+            attached = self.attached or [None] * len(self.slots)
+            changes = {i: slot.optim.grad for i, (slot, grad) in enumerate(zip(self.slots, attached))
+                       if slot.optim.grad is not grad}
+            if changes:
+                self.attached = [changes.get(i, grad) for i, grad in enumerate(attached)]
+        return changes
+
+    def apply_user_grads(self, changes: dict[int, torch.Tensor | None]) -> None:
+        """`user_grad_changes`' result, in this bucket's gradient turn: a slot set to None loses its gradient
+        (zeroed, `.grad` None, and the whole buffer given back once no slot holds one), a slot given a tensor holds
+        that tensor's values under the bucket's own view."""
+        if not self.grad_valid:
+            if all(value is None for value in changes.values()):
+                self._attach_or_detach()
+                return
+            if self.grad is None:
+                self.grad = self.grad_pool.take(self.optim)
+            self.grad.zero_()
+            self.grad_valid, self.grad_slots = True, set()
+        views = self.views(self.grad)
+        with torch.no_grad():
+            for i, value in changes.items():
+                if value is None:
+                    views[i].zero_()
+                    self.grad_slots.discard(i)
+                else:
+                    views[i].copy_(value)
+                    self.grad_slots.add(i)
+        self.settle()
+        if not self.grad_slots:
+            self.clear()
+            return
+        self._attach_grads()
+        self._known(None, None)
+
+    def _attach_or_detach(self) -> None:
+        if self.grad_valid:
+            self._attach_grads()
+        else:
+            self._detach_grads()
+
+    def _check_version(self) -> None:
+        """A write into `grad` by anyone but this bucket's turns makes its known norm unknown."""
+        if self.grad_valid and self.grad_version != self.grad._version:
+            self.grad_sq, self.written = None, None

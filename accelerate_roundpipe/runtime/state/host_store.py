@@ -181,6 +181,7 @@ class HostStore:
                     # From the original values, so a float32 model keeps full precision in its optimizer copy.
                     optim[slot.offset:slot.offset + slot.numel].copy_(original.reshape(-1))
                     slot.optim = nn.Parameter(optim[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                    slot.twin = nn.Parameter(slot.optim.data)  # [Note: parameters without a gradient]
                 view = compute[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 view.copy_(original)
                 slot.param.data = view

@@ -25,6 +25,8 @@ holds the bucket's write turn (the optimizer thread), or by the caller while not
   the newest weights kept apart, cast to the compute dtype, for the held write-back and a look to copy from.
 - `loaded_from_optim` / `loaded_from_compute` / `loaded_into_both`: weights loaded from outside into one copy are
   copied into the other (or were written into both).
+- `edited_in_compute`: the user changed parameters in place after a look: the other buffers take the change
+  ([Note: weight edits followed]).
 What readers ask: `current(newest)` (the buffer a pass reads: its own version, or the newest for an evaluation
 pass), `current_in_optim`, `stash`, `new_versions_reserved`, `changed_outside()`, and `steps` (the step counts
 the torn-weights guard holds, [Note: torn weights]).
@@ -171,6 +173,21 @@ class WeightVersions:
         self._optim_version_seen = self._optim._version
         self._steps.compute = self._steps.optim
         self._newest = None  # the loaded weights are the newest
+
+    def edited_in_compute(self, spans: list[tuple[int, int]]) -> None:
+        """The user changed the elements `spans` ([start, stop)) of the compute copy after a look
+        ([Note: weight edits followed]): every other buffer a reader may read next takes them too (the optimizer
+        copy, a lagged step's held newest weights, a look's stash)."""
+        with torch.no_grad():
+            for start, stop in spans:
+                edited = self._compute[start:stop]
+                if self._optim is not None and self._optim_resident:
+                    copy_with_cast(self._optim[start:stop], edited)
+                for kept in (self._newest, self._stash):
+                    if kept is not None:
+                        kept[start:stop].copy_(edited)
+        if self._optim is not None:
+            self._optim_version_seen = self._optim._version
 
     def _copy_newest_into_compute(self) -> None:
         """The newest weights into the compute copy: what `hold_newest` kept, else the optimizer copy, unless that

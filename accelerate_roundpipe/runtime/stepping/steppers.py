@@ -24,6 +24,7 @@ as their `optimizer` argument (its groups are the bucket's, with the step's hype
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -64,11 +65,44 @@ def shallow_copy(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]])
     return copy
 
 
+class StateThroughTwins(MutableMapping):
+    """The state owner's `state` as a stepper over twins sees it: each twin's entry is the entry of the tensor it
+    stands for (`canonical`: id of twin -> that tensor), so `optimizer.state` and `state_dict()` stay keyed by the
+    optimizer copies the user holds ([Note: parameters without a gradient])."""
+
+    def __init__(self, state: dict, canonical: dict[int, torch.Tensor]) -> None:
+        self._state, self._canonical = state, canonical
+
+    def _key(self, key: Any) -> Any:
+        return self._canonical.get(id(key), key)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._state[self._key(key)]  # the owner's defaultdict makes a missing entry, as torch expects
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._state[self._key(key)] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._state[self._key(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return self._key(key) in self._state
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
 class BucketSteppers:
     """The per-bucket steppers of one optimizer; see [Note: one owner of the step's groups]."""
 
-    def __init__(self, owner: torch.optim.Optimizer, pieces: dict[int, list[list[torch.Tensor]]]) -> None:
-        # pieces: bucket index -> per group of the user's optimizer, the tensors of that bucket the stepper steps
+    def __init__(self, owner: torch.optim.Optimizer, pieces: dict[int, list[list[torch.Tensor]]],
+                 canonical: dict[int, torch.Tensor] | None = None) -> None:
+        # pieces: bucket index -> per group of the user's optimizer, the tensors of that bucket the stepper steps;
+        # canonical: where those are twins, id of twin -> the tensor the state is keyed by
+        self._canonical = canonical
         self._steppers: dict[int, tuple[torch.optim.Optimizer, list[int]]] = {}
         # Several buckets may be stepped in one call ([Note: device steps in one call]) only when that is exact.
         self.steps_together = type(owner) in ELEMENTWISE_OPTIMIZERS
@@ -80,8 +114,9 @@ class BucketSteppers:
 
     def share_state(self, state: dict) -> None:
         """Every stepper writes into `state` (the owner's, replaced when a state dict is loaded)."""
+        seen = state if self._canonical is None else StateThroughTwins(state, self._canonical)
         for stepper, _ in self._steppers.values():
-            stepper.state = state
+            stepper.state = seen
 
     def groups(self, bucket: Bucket, hyper: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`bucket`'s step settings: the snapshot `hyper` of each group that has parameters in it."""
