@@ -84,7 +84,9 @@ def test_the_counts_follow_the_model(records, config):
     assert held["spare gradients"] <= peak <= 2 * 4 * elements
     if config in ("exact+clip", "exact+accumulation", "deferred+accumulation"):
         assert peak >= 4 * elements
-    assert held["deferred gradients"] == (4 * elements if config == "deferred+accumulation" else 0)
+    # a deferred pass's pending gradients are its download buffers, given back at its resolution
+    # ([Note: deferred gradient commit]): none is held after the steps
+    assert held["deferred gradients"] == 0
     assert held["stashes"] == 0  # counted before any look
     assert record["after_look_bytes"]["stashes"] == (2 * elements if config == "lagged" else 0)
     if config == "lora":

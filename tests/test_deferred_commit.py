@@ -76,6 +76,46 @@ def test_accumulation_uses_the_pending_buffer():
     engine.close()
 
 
+def _accumulated_grads(model, ratio):
+    first, second, _, _ = two_batches_and_their_grads(model)
+    engine = make_engine(model)
+    engine.expect_grad_scale(0.5)
+    (fb(engine, first) * 0.5).backward()
+    for _ in range(3):  # the later calls of an accumulation commit into buckets that hold gradients
+        (fb(engine, second) * ratio).backward()
+    grads = grads_of(engine)
+    assert all(b.pending is None for b in engine._store.trainable_buckets)  # given back at resolution
+    engine.close()
+    return grads
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25], ids=["as expected", "another scale"])
+def test_commits_after_the_resolution_add_at_once_as_the_held_ones_would(ratio, monkeypatch):
+    """[Note: deferred gradient commit]: a commit that comes after the loss's backward adds with c/c0 at once;
+    bitwise what holding it apart gives (no bucket allowed to: `single_commits` empty), and no pending buffer
+    outlives its pass."""
+    from accelerate_roundpipe.runtime.engine import engine as engine_module
+    from accelerate_roundpipe.runtime.state.bucket import Bucket
+
+    model = tied_model()
+    direct_adds = []
+    real_add_scaled = Bucket.add_scaled
+
+    def add_scaled(self, *args):
+        direct_adds.append(self.index)
+        return real_add_scaled(self, *args)
+
+    monkeypatch.setattr(Bucket, "add_scaled", add_scaled)
+    added_at_once = _accumulated_grads(model, ratio)
+    assert direct_adds, "no commit came after its pass's resolution"
+    direct_adds.clear()
+    monkeypatch.setattr(engine_module, "single_commit_buckets", lambda tasks, store: frozenset())
+    held_apart = _accumulated_grads(model, ratio)
+    assert not direct_adds
+    for name, grad in held_apart.items():
+        assert torch.equal(added_at_once[name], grad), name
+
+
 def test_never_committed_gradients_are_dropped():
     model = tied_model()
     first, second, g1, g2 = two_batches_and_their_grads(model)

@@ -25,7 +25,7 @@ from ...telemetry.summary import announce, engine_summary
 from ...telemetry.trace import maybe_span, save_when_freed
 from ..common.sync import EngineClosedError
 from ..distribution.gloo_exchange import DataParallelGroup
-from ..execution.deferred import DeferredCommit, DeferredLoss
+from ..execution.deferred import DeferredCommit, DeferredLoss, single_commit_buckets
 from ..execution.microbatches import (
     concatenated_outputs,
     loss_count_totals,
@@ -210,10 +210,12 @@ class RoundPipe(HostResidentModule):
             scale = self._deferred.expected_scale if deferred else grad_scale
             if deferred and scale == 0:
                 raise ValueError("the expected gradient scale (expect_grad_scale) must be non-zero.")
+            tasks = self._launch.schedule(num_mb, Mode.TRAIN)
             plan, results = self._launch.training_pass(
                 self._modules["module"].training, mb_rows, inputs, mb_labels, loss_fn, [s * scale for s in shares],
-                DeferredCommit(scale) if deferred else None, len(self.layers))
-            jobs = self._dispatch.enqueue(self._launch.schedule(num_mb, Mode.TRAIN), plan, results, mb_inputs)
+                DeferredCommit(scale, single_commits=single_commit_buckets(tasks, self._store)) if deferred else None,
+                len(self.layers))
+            jobs = self._dispatch.enqueue(tasks, plan, results, mb_inputs)
             if results.profile is not None:
                 self._plan.measured(results.profile, jobs, num_mb, rows)
             with maybe_span(self.trace, "caller", f"wait for the loss of pass {plan.index}"):

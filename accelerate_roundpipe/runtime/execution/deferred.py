@@ -22,7 +22,13 @@ class DeferredCommit:
     - a bucket whose gradient buffer was empty when the pass first committed to it was written directly ("owned"):
       nothing more to do when c == c0, one in-place multiply by c/c0 otherwise, invalidated if dropped;
     - a bucket that already held gradients (accumulation) got the pass's gradients in `bucket.pending`, added
-      with the factor c/c0 at resolution, discarded if dropped.
+      with the factor c/c0 at resolution, discarded if dropped. The pending buffer is the download's own (no copy)
+      and goes back to the pool at resolution, so it exists only while the pass is unresolved;
+    - once the loss's backward has given c (usually right after `forward_backward` returns, while most buckets
+      are still to commit), a later commit into a bucket that holds gradients adds with the factor c/c0 at once:
+      `grad.add_(g, alpha=c/c0)` is `commit_pending`'s own operation, so nothing is held apart. Only for a bucket
+      the pass commits once and whole (`single_commits`): two commits (a tied weight's two uses, head shards'
+      row windows) held apart add c/c0 x (g1 + g2), which rounds otherwise than c/c0 x g1 + c/c0 x g2.
     A pass never resolved is dropped at the next pass, `optimizer.step()` or `zero_grad()`. Resolution runs as
     ticketed gradient operations, so it is ordered after the pass's commits and before anything reserved later.
     """
@@ -31,17 +37,37 @@ class DeferredCommit:
     owned: dict[int, bool] = field(default_factory=dict)  # bucket -> committed straight into the empty grad buffer
     pending_started: set[int] = field(default_factory=set)
     resolved: bool = False
+    ratio: float | None = None  # c / c0 once the loss's backward gave c (None: not yet, or dropped)
+    # The buckets the pass commits once (a whole-bucket commit may then add at once): set before the pass is
+    # enqueued; empty, everything is held apart as before.
+    single_commits: frozenset[int] = frozenset()
+
+
+def single_commit_buckets(tasks, store: HostStore) -> frozenset[int]:
+    """The trainable buckets that exactly one task of a pass (`tasks`, its schedule) commits gradients to."""
+    counts: dict[int, int] = {}
+    for task in tasks:
+        if task.needs_grad:
+            for index in store.buckets_of_layers(task.span.layers):
+                counts[index] = counts.get(index, 0) + 1
+    return frozenset(index for index, count in counts.items() if count == 1 and store.buckets[index].trainable)
 
 
 def route_commit(deferred: DeferredCommit, bucket: Bucket, grad: torch.Tensor,
-                 window: tuple[int, int] | None = None, used: frozenset[int] | None = None) -> torch.Tensor | None:
+                 window: tuple[int, int] | None = None,
+                 used: frozenset[int] | None = None) -> tuple[torch.Tensor | None, bool]:
     """Where a deferred pass's gradients (of the elements `window`, [Note: row windows]; of the slots `used`,
-    [Note: parameters without a gradient]) go; returns what to commit directly into the gradient buffer."""
+    [Note: parameters without a gradient]) go; returns what to commit directly into the gradient buffer, and
+    whether the bucket kept the download buffer itself (as its pending gradients)."""
     if deferred.owned.setdefault(bucket.index, not bucket.grad_valid):
-        return grad
-    bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window, used=used)
+        return grad, False
+    ratio, whole = deferred.ratio, window is None or window == (0, bucket.optim.numel())
+    if ratio is not None and whole and bucket.index in deferred.single_commits:
+        bucket.add_scaled(grad, ratio, used)  # resolved already: added as `commit_pending` would
+        return None, False
+    kept = bucket.add_pending(grad, first=bucket.index not in deferred.pending_started, window=window, used=used)
     deferred.pending_started.add(bucket.index)
-    return None
+    return None, kept
 
 
 def resolve_job(deferred: DeferredCommit, bucket: Bucket, ticket: int, ratio: float | None,
@@ -58,8 +84,12 @@ def resolve_job(deferred: DeferredCommit, bucket: Bucket, ticket: int, ratio: fl
                 bucket.clear()
             elif owned and ratio != 1.0:
                 bucket.scale(ratio)
-            elif not owned and ratio is not None:
+            elif bucket.index not in deferred.pending_started:
+                return  # every commit was added at once (resolved before it)
+            elif ratio is not None:
                 bucket.commit_pending(ratio)
+            else:
+                bucket.drop_pending()
         finally:
             bucket.grads.end(ticket)
 
@@ -102,6 +132,7 @@ class DeferredPasses:
         if self._pending is deferred:
             self._pending = None
         ratio = None if scale is None else scale / deferred.expected_scale
+        deferred.ratio = ratio  # commits still to come add at once ([Note: deferred gradient commit])
         with self.failure.reserving("a deferred pass's commit"):  # [Note: interrupted reservations]
             for bucket in self.store.trainable_in_backward_order:
                 ticket = bucket.grads.reserve()

@@ -108,7 +108,9 @@ class GradCommits:
             try:
                 faults.point("commit")
                 if job.results.deferred is not None:
-                    grad = route_commit(job.results.deferred, bucket, grad, window, slots)
+                    grad, kept = route_commit(job.results.deferred, bucket, grad, window, slots)
+                    if kept:
+                        spare = None  # the bucket's pending gradients now, given back when resolved
                 if grad is not None:
                     spare = bucket.commit(grad, square, window, slots)
             except BaseException as error:

@@ -243,24 +243,30 @@ class Bucket:
         return self.grad_sq
 
     def add_pending(self, grad: torch.Tensor, first: bool, window: tuple[int, int] | None = None,
-                    used: frozenset[int] | None = None) -> None:
+                    used: frozenset[int] | None = None) -> bool:
         """Hold a deferred pass's gradients apart from `grad` until its scale is known; `first` starts the pass's
         sum, overwriting what an earlier pass left ([Note: deferred gradient commit]); `window`: the elements the
-        download covers ([Note: row windows]); `used`: the slots it reached, None for all."""
+        download covers ([Note: row windows]); `used`: the slots it reached, None for all. True when the download
+        buffer itself became the pending buffer (the caller keeps it out of the pool until `commit_pending` or
+        `drop_pending` gives it back)."""
         start, stop = window or (0, self.optim.numel())
         used = self.all_slots if used is None else used
         if not first:
             self.pending[start:stop].add_(grad)
             self.settle()
             self.pending_slots |= used
-            return
+            return False
         self.pending_slots = set(used)
+        if (start, stop) == (0, self.optim.numel()) and self.pending is None:
+            self.pending = grad  # the download's own buffer: no copy, and none kept between passes
+            return True
         if self.pending is None:
             self.pending = torch.empty_like(self.optim)  # the gradient's size, dtype and device
         self.pending[:start].zero_()
         self.pending[stop:].zero_()
         self.pending[start:stop].copy_(grad)
         self.settle()
+        return False
 
     def commit_pending(self, ratio: float) -> None:
         self.grad.add_(self.pending, alpha=ratio)
@@ -268,6 +274,24 @@ class Bucket:
         self.grad_sq = None
         self.written = None
         self._reach(frozenset(self.pending_slots))
+        self.drop_pending()
+
+    def drop_pending(self) -> None:
+        """The pending gradients are added or dropped: their buffer goes back to where downloads come from."""
+        buffer, self.pending = self.pending, None
+        if buffer is not None:
+            self.tier.return_spare(self, buffer)
+
+    def add_scaled(self, grad: torch.Tensor, ratio: float, used: frozenset[int] | None = None) -> None:
+        """Add a deferred pass's whole-bucket gradients times `ratio`, its scale known already: `commit_pending`'s
+        operation without holding them apart ([Note: deferred gradient commit]). Into a bucket that holds
+        gradients."""
+        self._check_version()
+        self.grad.add_(grad, alpha=ratio)
+        self.settle()
+        self.grad_sq = None
+        self.written = None
+        self._reach(self.all_slots if used is None else used)
 
     def give_spare_grad(self, buffer: torch.Tensor) -> None:
         """[Note: device gradient buffers reused]
