@@ -86,7 +86,7 @@ def test_rotation_and_best_model_as_the_plain_trainer(data, tmp_path):  # noqa: 
     tokenizer, train, held_out = data
     settings = dict(max_steps=8, save_strategy="steps", save_steps=2, save_total_limit=2, eval_strategy="steps",
                     eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
-    results = {}
+    results, weights = {}, {}
     for name in ("plain", "roundpipe"):
         out = str(tmp_path / name)
         torch.manual_seed(0)
@@ -101,7 +101,12 @@ def test_rotation_and_best_model_as_the_plain_trainer(data, tmp_path):  # noqa: 
         trainer.train()
         # greater_is_better on the loss: the best is the first evaluation, kept through the rotation.
         results[name] = (_checkpoints(out), os.path.basename(trainer.state.best_model_checkpoint))
+        # the best weights loaded into the model are what it holds now ([Note: weight edits followed])
+        weights[name] = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
         if name == "roundpipe":
             trainer.roundpipe_engine.close()
     assert results["roundpipe"] == results["plain"]
     assert results["plain"][1] == "checkpoint-2" and "checkpoint-8" in results["plain"][0]
+    for key, value in weights["plain"].items():
+        torch.testing.assert_close(weights["roundpipe"][key], value, rtol=1e-3, atol=1e-4,
+                                   msg=lambda m, key=key: f"{key}: {m}")
