@@ -5,6 +5,7 @@ through the engine API and through the Accelerate loop."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -68,6 +69,24 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+@contextlib.contextmanager
+def _side_by_side(devices: list[str] | None = None, **settings):
+    """The same layers run plainly and on the engine, each with AdamW: (plain, layers, engine, plain's optimizer,
+    the engine's); the engine closed afterwards."""
+    plain = _layers()
+    layers = copy.deepcopy(plain)
+    engine = _engine(layers, devices, **settings)
+    try:
+        yield plain, layers, engine, _adamw(plain.parameters()), engine.wrap_optimizer(_adamw(engine.parameters()))
+    finally:
+        engine.close()
+
+
+def _assert_same_weights(layers: nn.Module, plain: nn.Module) -> None:
+    for name, theirs in plain.named_parameters():
+        torch.testing.assert_close(layers.get_parameter(name), theirs, rtol=1e-9, atol=1e-12, msg=name)
+
+
 SIDE_USE = [False, True, False, False]  # the side branch: unused, then used once, then unused again
 
 
@@ -75,12 +94,7 @@ SIDE_USE = [False, True, False, False]  # the side branch: unused, then used onc
                          ids=["exact", "a layer a stage", "recompute layer"])
 @pytest.mark.parametrize("devices", WORKERS)
 def test_an_unreached_parameter_is_not_stepped(settings, devices):
-    plain = _layers()
-    layers = copy.deepcopy(plain)
-    engine = _engine(layers, devices, **settings)
-    try:
-        plain_opt = _adamw(plain.parameters())
-        optimizer = engine.wrap_optimizer(_adamw(engine.parameters()))
+    with _side_by_side(devices, **settings) as (plain, layers, engine, plain_opt, optimizer):
         for step, use_side in enumerate(SIDE_USE):
             x = _batch(step, use_side)
             plain_opt.zero_grad()
@@ -94,12 +108,9 @@ def test_an_unreached_parameter_is_not_stepped(settings, devices):
             optimizer.step()
             optimizer.zero_grad()
         engine.synchronize()
-        for (name, ours), theirs in zip(layers.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12, msg=name)
+        _assert_same_weights(layers, plain)
         stepped_side = [p for n, p in plain.named_parameters() if ".side." in n]
         assert all(plain_opt.state[p]["step"] == 1 for p in stepped_side)  # the plain run stepped them once
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("settings", [{"async_optimizer": True}, {"optimizer_placement": "host"}],
@@ -129,12 +140,7 @@ def test_a_parameter_never_reached_keeps_its_value_and_has_no_state(settings):
 
 @pytest.mark.parametrize("devices", WORKERS)
 def test_setting_grad_to_none_forgets_it_and_setting_a_tensor_replaces_it(devices):
-    plain = _layers()
-    layers = copy.deepcopy(plain)
-    engine = _engine(layers, devices)
-    try:
-        plain_opt = _adamw(plain.parameters())
-        optimizer = engine.wrap_optimizer(_adamw(engine.parameters()))
+    with _side_by_side(devices) as (plain, layers, engine, plain_opt, optimizer):
         ours = dict(engine.named_parameters())
         theirs = dict(plain.named_parameters())
         for step in range(3):
@@ -158,23 +164,14 @@ def test_setting_grad_to_none_forgets_it_and_setting_a_tensor_replaces_it(device
                 for p in params.values():
                     p.grad = None
         engine.synchronize()
-        for name in ours:
-            torch.testing.assert_close(layers.get_parameter(name), plain.get_parameter(name), rtol=1e-9,
-                                       atol=1e-12, msg=name)
+        _assert_same_weights(layers, plain)
         # `p.grad = None` for every parameter gives every host buffer back, as zero_grad() would
         assert all(b.grad is None and not b.grad_valid for b in engine._store.trainable_buckets)
-    finally:
-        engine.close()
 
 
 def test_clearing_by_hand_between_accumulated_backwards():
     """`p.grad = None` after one backward and before the next: the next step sees only the second backward."""
-    plain = _layers()
-    layers = copy.deepcopy(plain)
-    engine = _engine(layers)
-    try:
-        plain_opt = _adamw(plain.parameters())
-        optimizer = engine.wrap_optimizer(_adamw(engine.parameters()))
+    with _side_by_side() as (plain, layers, engine, plain_opt, optimizer):
         for model, step_with in ((plain, plain_opt), (engine, optimizer)):
             params = list(model.parameters())
             for step in range(2):
@@ -191,21 +188,13 @@ def test_clearing_by_hand_between_accumulated_backwards():
                 step_with.step()
                 step_with.zero_grad()
         engine.synchronize()
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(layers.get_parameter(name), p, rtol=1e-9, atol=1e-12, msg=name)
-    finally:
-        engine.close()
+        _assert_same_weights(layers, plain)
 
 
 def test_an_in_place_edit_of_a_gradient_is_clipped_by_its_new_norm():
     """A write into `p.grad` (here `clip_grad_value_` over the optimizer copies) makes the norm the engine measured
     on the device stale: the clip that follows measures again."""
-    plain = _layers()
-    layers = copy.deepcopy(plain)
-    engine = _engine(layers)
-    try:
-        plain_opt = _adamw(plain.parameters())
-        optimizer = engine.wrap_optimizer(_adamw(engine.parameters()))
+    with _side_by_side() as (plain, layers, engine, plain_opt, optimizer):
         for step in range(2):
             x = _batch(step)
             _loss(plain(x)).backward()
@@ -222,7 +211,4 @@ def test_an_in_place_edit_of_a_gradient_is_clipped_by_its_new_norm():
             torch.testing.assert_close(torch.as_tensor(float(norm), dtype=torch.float64), plain_norm, rtol=1e-9,
                                        atol=0)
         engine.synchronize()
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(layers.get_parameter(name), p, rtol=1e-9, atol=1e-12, msg=name)
-    finally:
-        engine.close()
+        _assert_same_weights(layers, plain)

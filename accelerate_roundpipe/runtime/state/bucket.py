@@ -391,7 +391,7 @@ class Bucket:
         that tensor's values under the bucket's own view."""
         if not self.grad_valid:
             if all(value is None for value in changes.values()):
-                self._attach_or_detach()
+                self._detach_grads()  # nothing held: every `.grad` None, as the user's Nones say
                 return
             if self.grad is None:
                 self.grad = self.grad_pool.take(self.optim)
@@ -412,12 +412,6 @@ class Bucket:
             return
         self._attach_grads()
         self._known(None, None)
-
-    def _attach_or_detach(self) -> None:
-        if self.grad_valid:
-            self._attach_grads()
-        else:
-            self._detach_grads()
 
     def _check_version(self) -> None:
         """A write into `grad` by anyone but this bucket's turns makes its known norm unknown."""
