@@ -155,7 +155,8 @@ def test_setting_grad_to_none_forgets_it_and_setting_a_tensor_replaces_it(device
                         theirs[name].grad = None
             if step == 1:  # one gradient replaced, another cleared
                 for params in (ours, theirs):
-                    params["2.main.weight"].grad = torch.full((8, 8), 0.5, dtype=torch.float64)
+                    weight = params["2.main.weight"]  # a gradient lives where its parameter does, as torch asks
+                    weight.grad = torch.full((8, 8), 0.5, dtype=torch.float64, device=weight.device)
                     params["3.main.bias"].grad = None
             plain_opt.step()
             optimizer.step()

@@ -184,7 +184,7 @@ class Worker:
     def _params(self, job: TaskJob, with_grad: bool) -> TaskParams:
         """The task's parameters on the device, bound into the layer copies of its span (once per task)."""
         params = self.residency.take(job)
-        self.residency.prefetch(self._peek_job())  # overlaps this task's compute
+        self.residency.prefetch(self._peek_job(), params)  # overlaps this task's compute
         self.residency.bind(job, params, with_grad)
         return params
 
