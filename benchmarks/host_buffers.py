@@ -23,6 +23,7 @@ KINDS = (
     # buckets' `pending`: a deferred pass's gradients held apart ([Note: deferred gradient commit])
     "deferred gradients",
     "stashes",  # a look's copy of the version the next lagged pass reads ([Note: looking changes nothing])
+    "disk staging",  # the disk tier's slots its buckets' steps read into and write back from ([Note: disk tier])
 )
 # The kinds that scale with trainable parameters; "frozen compute" scales with frozen ones.
 TRAINABLE_KINDS = tuple(k for k in KINDS if k != "frozen compute")
@@ -81,6 +82,11 @@ def count_host_buffers(engine) -> HostCount:
     for bucket in store.buckets:
         count.add("deferred gradients", bucket.pending)
         count.add("stashes", bucket.stash)
+    placement = engine.optimizer_placement
+    for tier in placement.tiers if placement is not None else ():
+        staging = getattr(tier, "staging", None)
+        if staging is not None:
+            count.add("disk staging", staging.memory)
     return count
 
 

@@ -173,7 +173,7 @@ def run_one(name: str, devices: list[str], placement: str, args, shape: dict) ->
 
 SHORT = {"compute": "comp", "frozen compute": "frozen", "optimizer copies": "optim", "gradients": "grad",
          "spare gradients": "spare", "optimizer states": "states", "optimizer scalars": "scal",
-         "deferred gradients": "defer", "stashes": "stash"}
+         "deferred gradients": "defer", "stashes": "stash", "disk staging": "dstage"}
 
 
 def cache_mb(cache: dict[str, int]) -> str:

@@ -96,3 +96,15 @@ def test_the_counts_follow_the_model(records, config):
         assert held["frozen compute"] == frozen_size * record["frozen_elements"]  # one copy, no optimizer state
     else:
         assert held["frozen compute"] == 0 and record["frozen_bytes_per_frozen_param"] is None
+
+
+def test_the_disk_tiers_staging_slots_are_counted(records):
+    """The disk tier's staging slots are host memory (what the disk buckets' steps read into): counted, at most
+    three slots of a bucket's 12 bytes an element (optimizer copy, two AdamW states); no other configuration has any."""
+    for config, record in records.items():
+        staging = record["bytes"]["disk staging"]
+        if config == "exact+disk":
+            assert 0 < staging <= 3 * 12 * record["trainable_elements"] and staging % 12 == 0
+            assert record["bytes"]["optimizer states"] == 0  # the states are in the swap files
+        else:
+            assert staging == 0

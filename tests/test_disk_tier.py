@@ -611,6 +611,10 @@ def test_the_summary_and_the_trace_show_the_disk(tmp_path, capsys):
     (line,) = [line for line in err.splitlines() if "tiers:" in line]
     assert f"disk {len(expected)} buckets" in line and "host 4 buckets" in line and "device 0 buckets" in line
     assert "GB/s write" in line and "GB/s read" in line and "s a step" in line
+    # the host memory line counts the staging slots the disk buckets' steps use (host memory, not the disk's)
+    staging = engine.optimizer_placement.staging_bytes
+    (host,) = [line for line in err.splitlines() if "host memory:" in line]
+    assert staging > 0 and f"{staging / 2**20:.1f} MiB of disk staging slots" in host, host
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     disk = [e["name"] for e in events if e.get("ph") == "X" and tracks.get(e.get("tid"), "").startswith("disk io")]

@@ -37,6 +37,7 @@ class PlacementView:
     device_bytes: int  # bytes kept on devices, not in host memory
     tiers: str = ""  # buckets and GiB per tier, the disk's bandwidth ([Note: disk tier]); its line of the summary
     disk_bytes: int = 0  # bytes kept in swap files, not in host memory
+    staging_bytes: int = 0  # the disk tier's page-locked staging slots, in host memory ([Note: disk tier])
 
 
 @dataclass(frozen=True)

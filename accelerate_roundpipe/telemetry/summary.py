@@ -91,8 +91,17 @@ def _off_host(placement: PlacementView | None) -> int:
 
 
 def _host_bytes(store: StoreView, placement: PlacementView | None) -> int:
-    """The store's estimate, less what the placement keeps on devices; never below the compute copies."""
-    return max(store.estimated_bytes - _off_host(placement), store.compute_bytes)
+    """The store's estimate, less what the placement keeps on devices or on disk (never below the compute copies),
+    plus the disk tier's staging slots, which live in host memory."""
+    staging = placement.staging_bytes if placement is not None else 0
+    return max(store.estimated_bytes - _off_host(placement), store.compute_bytes) + staging
+
+
+def _host_parts(placement: PlacementView | None) -> str:
+    if not _off_host(placement):
+        return ""
+    staging = f" and {_size(placement.staging_bytes)} of disk staging slots" if placement.staging_bytes else ""
+    return f" of the buckets on the host{staging}"
 
 
 def engine_summary(snapshot: EngineSnapshot) -> str:
@@ -119,7 +128,7 @@ def engine_summary(snapshot: EngineSnapshot) -> str:
     lines += [f"  {name}: {value}" for name, value in snapshot.notes]
     lines += [
         f"  host memory: about {_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
-        f"with AdamW state{' of the buckets on the host' if _off_host(placement) else ''}), "
+        f"with AdamW state{_host_parts(placement)}), "
         f"pinned: {'yes' if store.pinned else 'no'}",
         f"  trace: {snapshot.trace_path} (written at the end of training and at exit)"
         if snapshot.trace_path

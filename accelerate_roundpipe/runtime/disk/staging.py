@@ -82,6 +82,12 @@ class DiskStaging:
         self.peak_in_use = 0
 
     @property
+    def memory(self) -> torch.Tensor:
+        """The host memory of every slot (one allocation), for counting what the host holds; never written
+        through this."""
+        return self._buffer
+
+    @property
     def in_use(self) -> int:
         with self._cond:
             return self.slots - len(self._free)

@@ -154,6 +154,11 @@ class OptimizerPlacement:
     def disk_bytes(self) -> int:
         return self.disk.plan.file_bytes if self.disk is not None else 0
 
+    @property
+    def staging_bytes(self) -> int:
+        """The disk tier's staging slots: host memory the disk buckets' steps read into and write back from."""
+        return self.disk.plan.staging_bytes if self.disk is not None else 0
+
     def tiers_line(self) -> str:
         """The start summary's line: buckets and GiB in each tier, and the disk's measured bandwidth."""
         line = (f"device {len(self.device_buckets)} buckets {_size(self.device_bytes())}, host "
