@@ -3,14 +3,15 @@ under `offload_dir`, in memory only in a staging slot around their step.
 
 [Note: disk tier]
 Which buckets (`plan_disk`): when the store's host bytes (every compute copy; for each trainable bucket on the host
-its optimizer copy, gradient and optimizer states) exceed `host_memory_budget`, buckets go to disk from the top
-layers down until the rest and the staging fit. The top layers are stepped first in the backward, so their reads
-have the whole backward's tail to run ahead, and the next forward needs them last; a tied embedding (lowest layer 0)
-goes last. What stays in host memory of a disk bucket: its compute copy, which its readers read (`optim_resident`
-is False), its gradient buffers (the host pool's, as any host bucket's) and the optimizer's scalar state (AdamW's
+its optimizer copy, gradient and optimizer states) exceed `host_memory_budget`, buckets go to disk from the top layers
+down until the rest and the staging fit, skipping buckets much larger than the others where that needs fewer bytes on
+disk ([Note: staging slots sized by the plan]). The top layers are stepped first in the backward, so their reads have
+the whole backward's tail to run ahead, and the next forward needs them last; a tied embedding (lowest layer 0) goes
+last. What stays in host memory of a disk bucket: its compute copy, which its readers read (`optim_resident` is
+False), its gradient buffers (the host pool's, as any host bucket's) and the optimizer's scalar state (AdamW's
 `step`). Its file holds its image: the optimizer copy, then each state tensor the optimizer keeps per parameter
-(`state_names`: AdamW's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` with amsgrad; SGD's `momentum_buffer`), each
-4 KiB aligned, the bucket's element offsets inside each ([Note: swap file per bucket]).
+(`state_names`: AdamW's `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq` with amsgrad; SGD's `momentum_buffer`), each 4 KiB
+aligned, the bucket's element offsets inside each ([Note: swap file per bucket]).
 
 One step, in the order of the protocol of `DiskStaging` ([Note: disk staging protocol]):
 1. `will_step` (at `step()`, caller's thread): the tier's buckets in the order the exact step takes them (backward
@@ -108,15 +109,37 @@ class DiskPlan:
 def plan_disk(host_buckets: list[Bucket], fixed_bytes: int, budget_bytes: int, names: tuple[str, ...],
               slots: int = SLOTS) -> DiskPlan:
     """The buckets of `host_buckets` (trainable, on the host) that go to disk, top layers first, until the store's
-    host bytes (`fixed_bytes`: the compute copies and what else stays) fit `budget_bytes` ([Note: disk tier])."""
-    copies = len(names)
+    host bytes (`fixed_bytes`: the compute copies and what else stays) fit `budget_bytes` ([Note: disk tier]).
+
+    [Note: staging slots sized by the plan]
+    The staging slots are as large as the largest disk bucket's file, `slots` of them, in host memory. One bucket
+    much larger than the others (an untied LM head: 525M parameters on Llama-3.1-8B, a 6.3 GB file against 2.6 GB
+    for a decoder layer) made the slots cost three times its file, more than moving it saved: the 8B run's host
+    peak went 22.5 GiB past its budget. So a plan is made under each size cap (the distinct file sizes, largest
+    first: every bucket a candidate, then all but the largest, ...), top-down among the buckets under it; of the
+    plans that fit, the one with the fewest file bytes (the disk traffic a step pays) wins, ties to the larger cap;
+    when none fits, the one that leaves the fewest host bytes."""
+    sizes = {b.index: layout_of(b, names).nbytes for b in host_buckets}
+    caps = sorted(set(sizes.values()), reverse=True) or [0]
+    plans = [_plan_under(host_buckets, sizes, cap, fixed_bytes, budget_bytes, len(names), slots) for cap in caps]
+    fitting = [plan for plan in plans if plan.fits]
+    if fitting:
+        return min(fitting, key=lambda plan: plan.file_bytes)  # the first of equals: the larger cap
+    return min(plans, key=lambda plan: plan.host_bytes)
+
+
+def _plan_under(host_buckets: list[Bucket], sizes: dict[int, int], cap: int, fixed_bytes: int, budget_bytes: int,
+                copies: int, slots: int) -> DiskPlan:
+    """`plan_disk` among the buckets whose file is at most `cap` bytes."""
     host = fixed_bytes + sum(host_state_bytes(b, copies) for b in host_buckets)
     before, chosen, largest, files = host, [], 0, 0
     for bucket in sorted(host_buckets, key=lambda b: (-min(b.layers), -b.index)):
         staging = min(slots, len(chosen)) * largest
         if host + staging <= budget_bytes:
             break
-        nbytes = layout_of(bucket, names).nbytes
+        nbytes = sizes[bucket.index]
+        if nbytes > cap:
+            continue
         host -= bucket.optim.numel() * bucket.optim.element_size() * (1 + copies)  # the gradient stays
         chosen.append(bucket.index)
         largest, files = max(largest, nbytes), files + nbytes
