@@ -64,6 +64,8 @@ def test_a_rank_whose_peer_optimizer_failed_exits_of_its_error_not_of_sigabrt():
         (kind0, error0, code0), (kind1, error1, code1) = run_ranks_to_exit(
             end_of_run_scenarios.peer_optimizer_fails, 2, timeout_s=120)
         assert kind1 == "error" and "injected fault at optimizer.step" in error1, error1
-        # Told by rank 1's report, or by its exit ("Connection closed by peer") when rank 1 raised between passes.
-        assert kind0 == "error" and "DataParallelError: " in error0.splitlines()[-1], error0
+        # Told by rank 1's report, or by its exit ("Connection closed by peer") when rank 1 raised between passes, or
+        # by the timeout of the collective its optimizer thread was in (raised with the engine's note after it).
+        last = [line for line in error0.splitlines() if not line.startswith("[RoundPipe] raised in ")][-1]
+        assert kind0 == "error" and "DataParallelError: " in last, error0
         assert (code0, code1) == (1, 1), f"attempt {attempt}: exit codes {code0}, {code1} (-6: SIGABRT)"
