@@ -12,7 +12,8 @@ and how much of it is page-locked). Configurations:
 - `deferred+accumulation`: two calls of a stock Accelerate loop (`loss.backward()` on a deferred pass's loss);
 - `lagged`: `async_optimizer=True`; its count after a look (`synchronize()`) adds the stash;
 - `lora`: PEFT LoRA r8 on the attention projections (frozen bytes per frozen parameter);
-- `exact+disk`: the default with `host_memory_budget` near 0: every optimizer copy and state in swap files.
+- `exact+disk`: the default with `host_memory_budget` near 0: the optimizer copies and states in swap files,
+  but those of a bucket whose staging slots would cost more than they save ([Note: staging slots sized by the plan]).
 Each record also has the process's resident memory growth (from before the model was built to after the steps,
 with freed memory given back to the OS first) beside the counted sum, as a check that nothing large is missed, and
 on a GPU what torch's caching allocator of page-locked host memory holds (activation downloads), outside the sum.
@@ -54,7 +55,7 @@ CONFIGS = {
     "deferred+accumulation": ({}, None, 2, True, False),
     "lagged": ({"async_optimizer": True}, None, 1, False, False),
     "lora": ({}, None, 1, False, True),
-    # every trainable bucket's optimizer copy and state past the budget, in swap files (issue 33's disk tier)
+    # the trainable buckets' optimizer copies and states past the budget, in swap files (issue 33's disk tier)
     "exact+disk": ({"host_memory_budget": 1e-6}, None, 1, False, False),
 }
 TINY = dict(hidden=64, layers=2, vocab=256, seq=16, steps=2)

@@ -105,6 +105,7 @@ def test_the_disk_tiers_staging_slots_are_counted(records):
         staging = record["bytes"]["disk staging"]
         if config == "exact+disk":
             assert 0 < staging <= 3 * 12 * record["trainable_elements"] and staging % 12 == 0
-            assert record["bytes"]["optimizer states"] == 0  # the states are in the swap files
+            # most states are in the swap files (a bucket whose slots would cost more than its state stays)
+            assert record["bytes"]["optimizer states"] < 8 * record["trainable_elements"]
         else:
             assert staging == 0
