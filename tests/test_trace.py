@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -134,6 +136,53 @@ def test_waiting_for_weights_is_the_share_of_waits_inside_the_window(tmp_path):
     report = main([str(path), "--png", str(tmp_path / "gantt.png")])
     assert report["measured_bubble"] == 0.0 and report["waiting_for_weights"] == round(1.25 / 4, 4)
     assert (tmp_path / "gantt.png").stat().st_size > 1000
+
+
+def _two_pass_trace() -> list[dict]:
+    """A hand-made trace of two passes on one device: the caller's waits for each loss, the compute and upload
+    tracks, and a weight wait inside the second pass's first task."""
+    tracks = ("caller", "d0(cuda:0) compute", "d0(cuda:0) parameter upload", "d0(cuda:0) weights wait")
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": n}} for i, n in enumerate(tracks)]
+
+    def span(tid, name, start, dur):
+        return {"ph": "X", "name": name, "pid": 0, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6}
+
+    events += [span(0, "wait for the loss of pass 0", 0.0, 4.0), span(0, "wait for the loss of pass 1", 4.0, 4.0)]
+    events += [span(1, "F0:L0-0:r0:m0-0@d0", 4.0, 2.0), span(1, "B0:L0-0:r0:m0-0@d0", 6.0, 1.5)]
+    events += [span(2, "1.0 MiB", 3.5, 1.0), span(2, "1.0 MiB", 4.5, 1.0)]  # the first crosses into the window
+    events += [span(3, "L0", 4.0, 0.5), span(3, "L0", 4.25, 0.5)]  # overlapping waits count once
+    return events
+
+
+def test_the_last_pass_breakdown_reads_each_tracks_busy_time_and_each_tasks_waits(tmp_path):
+    from accelerate_roundpipe.telemetry.report import last_pass, main
+
+    breakdown = last_pass(_two_pass_trace())
+    assert breakdown.name == "wait for the loss of pass 1" and breakdown.seconds == 4.0
+    assert breakdown.busy["d0(cuda:0) compute"] == 3.5
+    assert breakdown.busy["d0(cuda:0) parameter upload"] == 1.5  # 0.5 of the first copy and the second
+    assert breakdown.busy["d0(cuda:0) weights wait"] == 0.75
+    assert breakdown.tasks == [("d0(cuda:0)", "F0:L0-0:r0:m0-0@d0", 0.0, 2.0, 0.75),
+                               ("d0(cuda:0)", "B0:L0-0:r0:m0-0@d0", 2.0, 1.5, 0.0)]
+    assert any("B0:L0-0" in line for line in breakdown.lines())
+    # gzipped, as the benchmarks keep their traces, and through the command line
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_pass_trace()}).encode()))
+    report = main([str(path), "--last-pass"])
+    assert report["tasks"] == 2
+
+
+@pytest.mark.parametrize("content", [None, b"{not json", b'{"events": []}'])
+def test_the_report_refuses_a_missing_or_malformed_trace_in_one_line(tmp_path, capsys, content):
+    from accelerate_roundpipe.telemetry.report import main
+
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and str(path) in err, err
 
 
 def _trained_engine(path, passes: int = 2):
