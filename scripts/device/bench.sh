@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b, disk-8b-cap24 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
-# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b.
+# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -28,7 +28,7 @@ WORKLOADS+=" eval-startup eval-kernels"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b disk-8b-cap24"
-WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b"
+WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -300,6 +300,14 @@ run_ours() {
   lora-adds-32b)  # the same A/B on Qwen3-32B LoRA under the cap (issue 32's 0.5-of-the-limit target)
     ours 270 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2
     ours 270 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --peft-lora-adds ;;
+  upload-chunks)  # [Note: parameter uploads in chunks] A/B: Qwen3-30B-A3B LoRA b8 under the cap (its backward's
+    # inputs waited behind whole-bucket uploads) and Llama-3.1-8B LoRA, chunked (the default) and one copy a bucket,
+    # traced (`python -m accelerate_roundpipe.telemetry.report TRACE --last-pass` for each)
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --trace-dir "$OUT/traces"
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --whole-bucket-uploads \
+      --trace-dir "$OUT/traces/whole"
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --whole-bucket-uploads ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto
