@@ -9,7 +9,8 @@ host's optimizer step (issue 32 item 4: "dense under the cap").
 Per track of the window (the last N steps, or seconds): its busy seconds per step (the union of its spans, so
 overlapping spans of one track count once), its share of the window, and the bytes its copies moved (the engine names
 each copy span by its size, `Device._traced`: "12.3 MiB"; disk spans by their byte range); then the compute track's
-longest idle gaps with what every other track was doing in them, and the bounds beside the measured numbers.
+longest idle gaps with what every other track was doing in them, the bounds beside the measured numbers, and each
+task with its time and its waits for weights.
 
 Plain functions over the loaded JSON (`{"traceEvents": [...]}`), so each number can be tested on a hand-made trace
 and re-read from a trace brought back from the device. Trace times are microseconds; ours are seconds.
@@ -145,6 +146,21 @@ def idle_gaps(tracks: dict[str, list[Span]], compute: str, begin: float, end: fl
     return out
 
 
+def task_times(tracks: dict[str, list[Span]], compute: Sequence[str], begin: float, end: float) -> list[dict]:
+    """Each task on the compute tracks that starts in [begin, end): its start (from `begin`), its seconds and how
+    many of them its stream waited for weights (the device's `weights wait` spans inside it, overlaps once:
+    [Note: weight waits in the trace]). A task much slower than its neighbours with no weight wait is its host
+    thread blocked before it queued its kernels."""
+    rows = []
+    for track in compute:
+        waits = tracks.get(track.removesuffix(" compute") + " weights wait", [])
+        for start, stop, name in tracks[track]:
+            if begin <= start < end:
+                rows.append({"track": track, "task": name, "start_s": start - begin, "seconds": stop - start,
+                             "weights_wait_s": union_length(clipped(waits, start, stop))})
+    return sorted(rows, key=lambda r: r["start_s"])
+
+
 def bounds(steps_s: float, devices: int, flops_per_step: float | None, peak_tflops: float,
            pcie_bytes_per_step: float | None, pcie_gbps: float | None, host_step_s: float | None) -> dict:
     """The seconds per step each resource needs at least, and that bound's share of the measured step: compute
@@ -207,6 +223,7 @@ def summarize(trace: dict, steps: int | None = None, seconds: float | None = Non
         "flops_per_step": flops_per_step, "peak_tflops": peak_tflops, "pcie_gbps": pcie_gbps,
         "bounds": bounds(step_s, len(compute), flops_per_step, peak_tflops, pcie, pcie_gbps, host_step_s),
         "compute_gaps": {t: idle_gaps(tracks, t, begin, end, least_gap_s, gap_count) for t in compute},
+        "tasks": task_times(tracks, compute, begin, end),
     }
 
 
@@ -245,6 +262,9 @@ def format_table(s: dict, name: str = "trace") -> str:
             during = "; ".join(f"{t} {d['busy_s'] * 1e3:.1f} ms ({d['longest'][:40]})"
                                for t, d in list(g["during"].items())[:4]) or "nothing traced"
             lines.append(f"    at {g['at_s']:.3f} s: {g['idle_s'] * 1e3:.1f} ms idle; {during}")
+    lines.append(f"  tasks ({'start ms':>8}, {'ms':>8}, of which waiting for weights):")
+    lines += [f"    {t['task']:<32} " + " ".join(f"{t[k] * 1e3:8.1f}" for k in ("start_s", "seconds", "weights_wait_s"))
+              for t in s["tasks"]]
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@ overlaps, and the same numbers read from a trace a CPU engine run wrote."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -192,3 +193,34 @@ def test_the_bench_group_runs_both_workloads_traced_then_the_tool_on_each_trace(
     assert [step_bounds.parse_args(c.split()[1:]).json for c in calls[2:6]] == [False, True] * 2
     limits = [int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3 benchmarks/run.py", log, re.M)]
     assert limits == [150, 200]
+
+
+def _two_passes_with_weight_waits() -> dict:
+    """Two passes on one device: the caller's waits for each loss, the compute and upload tracks, and two
+    overlapping weight waits inside the second pass's first task."""
+    tracks = ("caller", "d0(cuda:0) compute", "d0(cuda:0) parameter upload", "d0(cuda:0) weights wait")
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": n}} for i, n in enumerate(tracks)]
+
+    def span(tid, name, start, dur):
+        return {"ph": "X", "name": name, "pid": 0, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6}
+
+    events += [span(0, "wait for the loss of pass 0", 0.0, 4.0), span(0, "wait for the loss of pass 1", 4.0, 4.0)]
+    events += [span(1, "F0:L0-0:r0:m0-0@d0", 0.0, 2.0), span(1, "B0:L0-0:r0:m0-0@d0", 2.0, 1.5)]
+    events += [span(1, "F0:L0-0:r0:m0-0@d0", 4.0, 2.0), span(1, "B0:L0-0:r0:m0-0@d0", 6.0, 1.5)]
+    events += [span(2, "1.0 MiB", 3.5, 1.0), span(2, "1.0 MiB", 4.5, 1.0)]  # the first crosses into the window
+    events += [span(3, "L0", 4.0, 0.5), span(3, "L0", 4.25, 0.5)]  # overlapping waits count once
+    return {"traceEvents": events}
+
+
+def test_each_task_of_the_window_with_its_time_and_its_waits_for_weights(tmp_path, capsys):
+    s = step_bounds.summarize(_two_passes_with_weight_waits())  # the last pass: [4, 7.5]
+    assert s["tracks"]["d0(cuda:0) parameter upload"]["busy_s_per_step"] == 1.5  # 0.5 of the first copy, the second
+    assert s["tracks"]["d0(cuda:0) weights wait"]["busy_s_per_step"] == 0.75
+    assert [(t["task"], t["start_s"], t["seconds"], t["weights_wait_s"]) for t in s["tasks"]] == [
+        ("F0:L0-0:r0:m0-0@d0", 0.0, 2.0, 0.75), ("B0:L0-0:r0:m0-0@d0", 2.0, 1.5, 0.0)]
+    assert "B0:L0-0:r0:m0-0@d0" in step_bounds.format_table(s)
+    # gzipped, as the benchmarks keep their traces, through the command line
+    path = tmp_path / "trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(_two_passes_with_weight_waits()).encode()))
+    assert len(step_bounds.main([str(path)])["tasks"]) == 2
+    assert "waiting for weights" in capsys.readouterr().out

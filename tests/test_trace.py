@@ -138,38 +138,17 @@ def test_waiting_for_weights_is_the_share_of_waits_inside_the_window(tmp_path):
     assert (tmp_path / "gantt.png").stat().st_size > 1000
 
 
-def _two_pass_trace() -> list[dict]:
-    """A hand-made trace of two passes on one device: the caller's waits for each loss, the compute and upload
-    tracks, and a weight wait inside the second pass's first task."""
-    tracks = ("caller", "d0(cuda:0) compute", "d0(cuda:0) parameter upload", "d0(cuda:0) weights wait")
-    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": n}} for i, n in enumerate(tracks)]
+def test_the_report_reads_a_gzipped_trace(tmp_path):
+    """The benchmarks keep their traces gzipped; the report reads them as the plain JSON."""
+    from accelerate_roundpipe.telemetry.report import main
 
-    def span(tid, name, start, dur):
-        return {"ph": "X", "name": name, "pid": 0, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6}
-
-    events += [span(0, "wait for the loss of pass 0", 0.0, 4.0), span(0, "wait for the loss of pass 1", 4.0, 4.0)]
-    events += [span(1, "F0:L0-0:r0:m0-0@d0", 4.0, 2.0), span(1, "B0:L0-0:r0:m0-0@d0", 6.0, 1.5)]
-    events += [span(2, "1.0 MiB", 3.5, 1.0), span(2, "1.0 MiB", 4.5, 1.0)]  # the first crosses into the window
-    events += [span(3, "L0", 4.0, 0.5), span(3, "L0", 4.25, 0.5)]  # overlapping waits count once
-    return events
-
-
-def test_the_last_pass_breakdown_reads_each_tracks_busy_time_and_each_tasks_waits(tmp_path):
-    from accelerate_roundpipe.telemetry.report import last_pass, main
-
-    breakdown = last_pass(_two_pass_trace())
-    assert breakdown.name == "wait for the loss of pass 1" and breakdown.seconds == 4.0
-    assert breakdown.busy["d0(cuda:0) compute"] == 3.5
-    assert breakdown.busy["d0(cuda:0) parameter upload"] == 1.5  # 0.5 of the first copy and the second
-    assert breakdown.busy["d0(cuda:0) weights wait"] == 0.75
-    assert breakdown.tasks == [("d0(cuda:0)", "F0:L0-0:r0:m0-0@d0", 0.0, 2.0, 0.75),
-                               ("d0(cuda:0)", "B0:L0-0:r0:m0-0@d0", 2.0, 1.5, 0.0)]
-    assert any("B0:L0-0" in line for line in breakdown.lines())
-    # gzipped, as the benchmarks keep their traces, and through the command line
-    path = tmp_path / "trace.json.gz"
-    path.write_bytes(gzip.compress(json.dumps({"traceEvents": _two_pass_trace()}).encode()))
-    report = main([str(path), "--last-pass"])
-    assert report["tasks"] == 2
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "d0(cuda:0) compute"}}]
+    events += [{"ph": "X", "name": n, "pid": 0, "tid": 0, "ts": s * 1e6, "dur": 1e6}
+               for n, s in (("F0:L0-0:r0:m0-0@d0", 0.0), ("B0:L0-0:r0:m0-0@d0", 2.0))]
+    plain, packed = tmp_path / "trace.json", tmp_path / "trace.json.gz"
+    plain.write_text(json.dumps({"traceEvents": events}))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert main([str(packed)]) == main([str(plain)]) and main([str(packed)])["measured_bubble"] == round(1 / 3, 4)
 
 
 @pytest.mark.parametrize("content", [None, b"{not json", b'{"events": []}'])

@@ -2,10 +2,9 @@
 weights inside their tasks, the simulator's bubble for the same tasks and measured costs, and a PNG Gantt chart.
 
     python -m accelerate_roundpipe.telemetry.report trace.json[.gz] [--png gantt.png] [--seconds 3]
-        [--profile-out p.json] [--last-pass]
+        [--profile-out p.json]
 
-`--last-pass` prints where the trace's last pass went: each track's busy time in it (the caller's wait for the
-pass's loss is the window), then each task on the compute tracks with its time and its waits for weights.
+Where a step's time goes track by track, and each task's time and weight waits: `benchmarks/step_bounds.py`.
 
 [Note: weight waits in the trace]
 A task's compute span runs from the first to the last event of its work on the compute stream, so it also covers
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,9 +69,10 @@ def _track_names(events: list[dict]) -> dict:
     return {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
 
 
-def load_weight_waits(path: str) -> list[WaitSpan]:
-    """The weight waits of a trace ([Note: weight waits in the trace]), each on its device's compute track."""
-    events = load_events(path)
+def load_weight_waits(path: str | list[dict]) -> list[WaitSpan]:
+    """The weight waits of a trace ([Note: weight waits in the trace]), each on its device's compute track; `path`
+    a trace file or its loaded events."""
+    events = load_events(path) if isinstance(path, str) else path
     names = _track_names(events)
     suffix = " weights wait"
     return sorted((WaitSpan(names[e["tid"]][:-len(suffix)] + " compute", e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
@@ -99,9 +98,10 @@ def waiting_for_weights(spans: Sequence[TaskSpan], waits: Sequence[WaitSpan]) ->
     return waited / total
 
 
-def load_task_spans(path: str) -> list[TaskSpan]:
-    """The task spans of a trace: GPU compute spans when the trace has them, else the workers' host spans."""
-    events = load_events(path)
+def load_task_spans(path: str | list[dict]) -> list[TaskSpan]:
+    """The task spans of a trace: GPU compute spans when the trace has them, else the workers' host spans; `path`
+    a trace file or its loaded events."""
+    events = load_events(path) if isinstance(path, str) else path
     names = _track_names(events)
     kind = "compute" if any(n.endswith(" compute") for n in names.values()) else "host"
     spans = []
@@ -190,65 +190,6 @@ def layer_profile(spans: Sequence[TaskSpan], backward_ratio: float = 3.0) -> lis
     return [sorted(samples[i])[len(samples[i]) // 2] if i in samples else 0.0 for i in layers]
 
 
-@dataclass(frozen=True)
-class PassBreakdown:
-    """Where one pass went (plain data): its window, each track's busy time in it, and each compute task's time
-    and weight waits, in seconds."""
-
-    name: str  # the caller's span, e.g. "wait for the loss of pass 5"
-    seconds: float
-    busy: dict[str, float]  # track -> busy seconds in the window (overlaps counted once)
-    tasks: list[tuple[str, str, float, float, float]]  # (track, task, start from the window's, seconds, waits)
-
-    def lines(self) -> list[str]:
-        out = [f"{self.name}: {self.seconds * 1e3:.1f} ms", "  busy in it, by track:"]
-        out += [f"    {track:<36} {busy * 1e3:9.1f} ms  {busy / self.seconds:6.1%}"
-                for track, busy in self.busy.items()]
-        out.append("  tasks (start ms, ms, of which waiting for weights):")
-        out += [f"    {track:<24} {task:<28} {start * 1e3:8.1f} {seconds * 1e3:8.1f} {waits * 1e3:8.1f}"
-                for track, task, start, seconds, waits in self.tasks]
-        return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def last_pass(events: list[dict]) -> PassBreakdown | None:
-    """The breakdown of the last pass whose loss the caller waited for (None when the trace has no such span)."""
-    names = _track_names(events)
-    spans = [e for e in events if e.get("ph") == "X"]
-    waits_for_loss = [e for e in spans if names.get(e["tid"]) == "caller"
-                      and str(e.get("name", "")).startswith("wait for the loss of pass")]
-    if not waits_for_loss:
-        return None
-    window = max(waits_for_loss, key=lambda e: e["ts"])
-    start, end = window["ts"] / 1e6, (window["ts"] + window["dur"]) / 1e6
-    clipped: dict[str, list[tuple[float, float]]] = {}
-    for e in spans:
-        a, b = max(e["ts"] / 1e6, start), min((e["ts"] + e.get("dur", 0.0)) / 1e6, end)
-        if b > a:
-            clipped.setdefault(names.get(e["tid"], str(e["tid"])), []).append((a, b))
-    busy = {track: _union(intervals) for track, intervals in sorted(clipped.items())}
-    weight_waits = [(names[e["tid"]].removesuffix(" weights wait"), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-                    for e in spans if names.get(e["tid"], "").endswith(" weights wait")]
-    tasks = []
-    for e in sorted(spans, key=lambda e: e["ts"]):
-        track = names.get(e["tid"], "")
-        if not track.endswith(" compute") or not start <= e["ts"] / 1e6 < end:
-            continue
-        a, b = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
-        device = track.removesuffix(" compute")
-        waited = _union([(max(w0, a), min(w1, b)) for d, w0, w1 in weight_waits if d == device and w1 > a and w0 < b])
-        tasks.append((device, str(e["name"]), a - start, b - a, waited))
-    return PassBreakdown(str(window["name"]), end - start, busy, tasks)
-
-
 def gantt_png(spans: Sequence[TaskSpan], path: str, seconds: float | None = None,
               waits: Sequence[WaitSpan] = ()) -> str:
     """A Gantt chart of the task spans (F blue, FB red, B green), the weight waits inside them in black;
@@ -289,19 +230,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--profile-out", default=None,
                         help="write per-layer costs measured from the trace (for `accelerate-roundpipe simulate "
                              "--profile`)")
-    parser.add_argument("--last-pass", action="store_true",
-                        help="print where the last pass went: each track's busy time, each task's time and waits")
     args = parser.parse_args(argv)
     try:
         events = load_events(args.trace)
     except TraceFileError as error:  # a command line gets one line and exit status 2, as argparse gives
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if args.last_pass:
-        breakdown = last_pass(events)
-        print("\n".join(breakdown.lines()) if breakdown is not None else
-              "no pass in this trace: the caller's `wait for the loss of pass N` spans are missing", file=sys.stdout)
-    spans = last_seconds(load_task_spans(args.trace), args.seconds)
-    waits = load_weight_waits(args.trace)
+    spans = last_seconds(load_task_spans(events), args.seconds)
+    waits = load_weight_waits(events)
     num_devices = len({s.track for s in spans})
     report = {"measured_bubble": round(measured_bubble(spans), 4),
               "idle_between_passes": round(idle_between_passes(spans), 4),

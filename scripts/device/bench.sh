@@ -302,7 +302,7 @@ run_ours() {
     ours 270 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --peft-lora-adds ;;
   upload-chunks)  # [Note: parameter uploads in chunks] A/B: Qwen3-30B-A3B LoRA b8 under the cap (its backward's
     # inputs waited behind whole-bucket uploads) and Llama-3.1-8B LoRA, chunked (the default) and one copy a bucket,
-    # traced (`python -m accelerate_roundpipe.telemetry.report TRACE --last-pass` for each)
+    # traced (`python3 benchmarks/step_bounds.py TRACE` for each: every task's time and weight waits)
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --trace-dir "$OUT/traces"
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --whole-bucket-uploads \
       --trace-dir "$OUT/traces/whole"

@@ -228,14 +228,12 @@ class ParamResidency:
         on one stream, so an upload issued for the next task delays every later one of the `running` task: with a
         bucket of the running task still being stepped (the exact step writes the last backward stage's buckets
         while the next forward starts on them), prefetching at once put the next stage's whole upload (8.7 GiB,
-        170 ms on Qwen3-30B-A3B) ahead of the running task's own. So the running task's written buckets are issued
-        first, and while some of them are not written the next job waits: `await_layer` prefetches it once the
+        170 ms on Qwen3-30B-A3B) ahead of the running task's own. So while some of the running task's buckets are
+        not issued (`take` issued the written ones), the next job waits: `await_layer` prefetches it once the
         running task's last upload is issued. The next task cannot compute before the running one anyway."""
-        if running is not None:
-            self._issue(running)
-            if running.unissued:
-                self._deferred = job
-                return
+        if running is not None and running.unissued:  # `take` has just issued what of it was written
+            self._deferred = job
+            return
         self._deferred = None
         if job is None or id(job) in self._prefetched or not job.read_tickets:
             return
