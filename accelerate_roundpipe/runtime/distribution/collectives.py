@@ -34,3 +34,6 @@ class ShardCollectives(Protocol):
 
     def sum_on_optimizer_thread(self, value: float, what: str) -> float:
         """`value` summed over the ranks, in order with the optimizer thread's other collectives."""
+
+    def sum_tensor_on_optimizer_thread(self, tensor: torch.Tensor, what: str) -> None:
+        """`tensor` summed over the ranks in place, in order with the optimizer thread's other collectives."""

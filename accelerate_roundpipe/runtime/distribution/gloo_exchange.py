@@ -326,9 +326,13 @@ class DataParallelGroup:
 
     def sum_on_optimizer_thread(self, value: float, what: str) -> float:
         tensor = torch.tensor([value], dtype=torch.float64)
+        self.sum_tensor_on_optimizer_thread(tensor, what)
+        return float(tensor[0])
+
+    def sum_tensor_on_optimizer_thread(self, tensor: torch.Tensor, what: str) -> None:
+        """`tensor` summed over the ranks, in place."""
         # On stream 0, whose group is `optimizer_group`: in order with the chunks queued there before it.
         self._run_on_streams(what, [lambda: self.dist.all_reduce(tensor, group=self.optimizer_group)])
-        return float(tensor[0])
 
     # ---------------------------------------------- the engine's exchange ([Note: gradient exchange])
 

@@ -38,7 +38,11 @@ class BucketShard:
     hi: int
     grad: torch.Tensor  # this rank's range of the reduced (global) gradient, the `.grad` of every piece
     pieces: list[list[nn.Parameter]]  # per param group of the user's optimizer: views of `bucket.optim`
+    # per piece: the bucket slot it is a part of, and its view of `grad` (its `.grad` while some rank reached it)
+    slot_pieces: list[tuple[int, nn.Parameter, torch.Tensor]] = field(default_factory=list)
     reduced_at: int | None = None  # the gradient turn in which `grad` was last reduced
+    reached_at: int | None = None  # the gradient turn in which `reached` was agreed
+    reached: tuple[bool, ...] = ()  # per slot: did some rank's loss reach it ([Note: parameters no rank reaches])
 
     def squared_norm(self) -> float:
         return float(torch.linalg.vector_norm(self.grad)) ** 2  # the padding's gradient is zero
@@ -79,18 +83,20 @@ on the optimizer thread; see [Note: data parallel]."""
             lo, hi = self.group.shard_range(bucket.optim.numel())
             grad = torch.zeros(hi - lo, dtype=bucket.optim.dtype)
             pieces: list[list[nn.Parameter]] = [[] for _ in self.user.param_groups]
-            for slot in bucket.slots:
+            slot_pieces = []
+            for slot_index, slot in enumerate(bucket.slots):
                 index = group_of.get(id(slot.optim))
                 start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                 if index is None or start >= end:
                     continue
                 param = nn.Parameter(bucket.optim[start:end])
                 param.grad = grad[start - lo:end - lo]
+                slot_pieces.append((slot_index, param, param.grad))
                 pieces[index].append(param)
                 piece = _Piece(param, bucket.index, slot.name, start - slot.offset, end - slot.offset)
                 by_group[index].append(piece)
                 self._pieces_of_param.setdefault(id(slot.optim), []).append(piece)
-            self.shards[bucket.index] = BucketShard(bucket, lo, hi, grad, pieces)
+            self.shards[bucket.index] = BucketShard(bucket, lo, hi, grad, pieces, slot_pieces)
         self._pieces = [piece for pieces in by_group for piece in pieces]  # the shard optimizer's parameter order
         groups = [dict(self._hyper(g), params=[p.param for p in pieces])
                   for g, pieces in zip(self.user.param_groups, by_group)]
@@ -111,21 +117,55 @@ on the optimizer thread; see [Note: data parallel]."""
         """The clip's norm is the reduced (global) gradient's: the sum over ranks of their ranges' squares."""
         return self.group.sum_on_optimizer_thread(squares, "the all-reduce of the gradient norm")
 
-    def _reduce(self, bucket: Bucket, ticket: int) -> None:
-        """This rank's range of the sum over ranks of `bucket`'s gradients, in its gradient turn `ticket`."""
+    def has_gradient(self, bucket: Bucket, ticket: int) -> bool:
+        """[Note: parameters no rank reaches]
+        Whether some rank's loss reached `bucket` since the gradients were last set to None, agreed by every rank
+        in gradient turn `ticket`; the pieces of the slots no rank reached lose their `.grad` until one does. Plain
+        torch on the global batch leaves such a parameter's `.grad` None, and so does DDP for a parameter no rank
+        used (its reducer copies no reduced gradient into it): no weight decay, no moments, no step count. Each
+        rank knows only its own slots (`Bucket.reached_slots`: [Note: parameters without a gradient]), so the
+        ranks sum their flags, one small all-reduce per bucket and step. The answer also decides, the same way on
+        every rank, whether the bucket's gradients are reduced at all: a bucket one rank's loss never reached
+        (a layer that rank's data skipped) still joins its peers' reduce-scatter, with zeros, where deciding on
+        the rank's own flags paired one rank's reduce-scatter of one bucket with another's of the next (the same
+        sizes, so nothing failed: the weights were silently wrong). The clip's measure agrees in its turn; the
+        step in the turn right after it takes that answer (no gradient came between: the tickets are program
+        order)."""
         shard = self.shards[bucket.index]
+        if shard.reached_at is not None and shard.reached_at in (ticket, ticket - 1):
+            shard.reached_at = ticket
+            return any(shard.reached)
+        flags = torch.zeros(len(bucket.slots), dtype=torch.int32)
+        flags[sorted(bucket.reached_slots())] = 1
+        self.group.sum_tensor_on_optimizer_thread(flags, f"the agreement on which parameters of {bucket} the losses "
+                                                         f"reached")
+        shard.reached = tuple(bool(count) for count in flags.tolist())
+        shard.reached_at = ticket
+        for slot_index, piece, grad in shard.slot_pieces:
+            piece.grad = grad if shard.reached[slot_index] else None
+        return any(shard.reached)
+
+    def holds_gradient(self, bucket: Bucket) -> bool:
+        """Whether this rank's range holds a reduced gradient to scale (the last agreement's answer)."""
+        return any(self.shards[bucket.index].reached)
+
+    def _reduce(self, bucket: Bucket, ticket: int) -> None:
+        """This rank's range of the sum over ranks of `bucket`'s gradients, in its gradient turn `ticket`; a rank
+        whose loss did not reach the bucket adds zeros ([Note: parameters no rank reaches])."""
+        shard = self.shards[bucket.index]
+        flat = bucket.grad if bucket.grad_valid else torch.zeros(bucket.optim.numel(), dtype=shard.grad.dtype)
         with maybe_span(self.trace, "optimizer", f"reduce-scatter layers {list(bucket.layers)}"):
-            self.group.reduce_scatter(shard.grad, bucket.grad, f"the gradients of {bucket}")
+            self.group.reduce_scatter(shard.grad, flat, f"the gradients of {bucket}")
         shard.reduced_at = ticket
 
     def prepare_step(self, bucket: Bucket, ticket: int) -> None:
         """Reduce `bucket`'s gradients unless the clip did in the turn just before (gradients added after it need
-        another reduction); the tickets are program order, the same on every rank."""
+        another reduction); the tickets are program order, the same on every rank. Only where `has_gradient`."""
         if self.shards[bucket.index].reduced_at != ticket - 1:
             self._reduce(bucket, ticket)
 
     def squared_norm(self, bucket: Bucket, ticket: int) -> float:
-        if not bucket.grad_valid:
+        if not self.has_gradient(bucket, ticket):
             return 0.0
         self._reduce(bucket, ticket)  # the norm is the reduced (global) gradient's
         return self.shards[bucket.index].squared_norm()

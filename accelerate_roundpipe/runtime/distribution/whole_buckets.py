@@ -45,6 +45,13 @@ class WholeBuckets:
     def state(self) -> dict:
         return self.owner.state
 
+    def has_gradient(self, bucket: Bucket, ticket: int) -> bool:
+        """Whether the loss reached `bucket` since its gradients were last set to None (in its turn `ticket`)."""
+        return bucket.grad_valid
+
+    def holds_gradient(self, bucket: Bucket) -> bool:
+        return bucket.grad_valid
+
     def prepare_step(self, bucket: Bucket, ticket: int) -> None:
         """Nothing to exchange: the bucket's gradients are the step's."""
 

@@ -191,9 +191,11 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             faults.point("optimizer.step")
             for bucket, _ in begun:  # a tier whose state is not resident brings it in ([Note: state tiers])
                 bucket.tier.before_step(bucket)
-            stepping, scales = [], []
+            stepping, scales, with_gradient = [], [], set()
             for bucket, ticket in begun:
-                if bucket.grad_valid:
+                # the same answer on every rank under data parallelism ([Note: parameters no rank reaches])
+                if self.layout.has_gradient(bucket, ticket):
+                    with_gradient.add(bucket.index)
                     self.layout.prepare_step(bucket, ticket)
                     groups = self.layout.steppers.groups(bucket, hyper)
                     scale = clip.apply(bucket, groups) if clip is not None else None
@@ -203,7 +205,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
             if stepping:
                 self._run_steps(stepping, scales, hyper)
             for bucket, _ in begun:
-                if bucket.grad_valid:
+                if bucket.index in with_gradient:
                     self.layout.finish_step(bucket)
                 # readers read the optimizer copy only where it stays in memory ([Note: state tiers]); where it
                 # does not, an exact step is written into the compute copy now, in its write turn, and a lagged

@@ -357,8 +357,8 @@ class Bucket:
         a version counter of its own, which autograd's in-place accumulation bumps; reading it costs a tenth of a
         microsecond, where a hook per parameter cost three), and only those slots get their view of the buffer as
         `.grad`: a slot's `.grad` is None until some commit since the last `zero_grad(set_to_none=True)` reached
-        it. The unreached slots' elements stay zero, so the norms are unchanged. Under data parallelism every rank
-        steps its ranges with the reduced gradient whatever reached it (the shards' own `.grad`), as before.
+        it. The unreached slots' elements stay zero, so the norms are unchanged. Under data parallelism the ranks
+        agree which slots some rank reached ([Note: parameters no rank reaches]).
         The user's own changes are taken where plain torch would see them, in program order: each call of the
         caller's (a pass, `step()`, `zero_grad()`, `clip_grad_norm_`) first compares every slot's `.grad` with what
         the bucket gave it (`user_grad_changes`, under `grads_lock`, which the commit threads' attaching holds
@@ -371,6 +371,10 @@ class Bucket:
             self.grad_slots = set(used) if fresh else self.grad_slots | used
             self._attach_grads()
         self.grad_version = self.grad._version  # this turn's own write
+
+    def reached_slots(self) -> frozenset[int]:
+        """The slots that hold a gradient (their `.grad` set), read in a gradient turn of this bucket's."""
+        return frozenset(self.grad_slots) if self.grad_valid else frozenset()
 
     def user_grad_changes(self) -> dict[int, torch.Tensor | None]:
         """What the user set as the optimizer copies' `.grad` since this bucket last set them (slot index -> the

@@ -85,7 +85,7 @@ class GradientClip:
         if coefficient == 1.0:
             return
         for bucket in buckets:
-            if bucket.grad_valid:
+            if self.layout.holds_gradient(bucket):
                 self.layout.scale(bucket, coefficient)
 
     def norm_coefficient(self) -> float:
