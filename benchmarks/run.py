@@ -140,7 +140,7 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
     if with_disk_probe:
         settings["disk_bandwidth"] = disk_probe(config, result["path"])
     settings.update(optimizer_placement=placement, num_microbatches=result["num_microbatches"], path=result["path"],
-                    step_s=result["step_s"])
+                    step_s=result["step_s"], torch_pinned_cache=pinned_cache_bytes())
     record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
     median_step = statistics.median(result["step_s"][warm:])
     return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
@@ -150,6 +150,16 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
             "host_peak_gib": result["host_peak_gib"], "status": "ok",
             "losses": [round(v, 5) for v in result["losses"]], "flops_per_token": flops_per_token,
             "settings": settings}
+
+
+def pinned_cache_bytes() -> dict[str, int]:
+    """What torch's caching host allocator holds now and held at most (page-locked memory outside the engine's own
+    accounting: activation and norm downloads), or nothing without CUDA. Part of what a host peak above the start
+    summary's count is made of."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.host_memory_stats()
+    return {k: int(v) for k, v in stats.items() if "bytes" in k and k.endswith(("current", "peak"))}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
