@@ -142,14 +142,26 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
     settings.update(optimizer_placement=placement, num_microbatches=result["num_microbatches"], path=result["path"],
                     step_s=result["step_s"], torch_pinned_cache=pinned_cache_bytes())
     record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
-    median_step = statistics.median(result["step_s"][warm:])
     return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
             # Steady state as the reference's and the in-GPU anchors' scripts report it: the median timed step.
-            "tokens_per_s_median_step": round(w.global_batch * seq / median_step, 1),
+            "tokens_per_s_median_step": median_step_tokens_per_s(result["step_s"][warm:], w.global_batch * seq),
             "mfu": mfu(flops_per_token, result["tokens_per_s"], peak_tflops), "gpu_peak_gib": result["gpu_peak_gib"],
             "host_peak_gib": result["host_peak_gib"], "status": "ok",
             "losses": [round(v, 5) for v in result["losses"]], "flops_per_token": flops_per_token,
             "settings": settings}
+
+
+MIN_STEPS_FOR_MEDIAN = 3
+
+
+def median_step_tokens_per_s(timed_step_s: list[float], tokens_per_step: int) -> float | None:
+    """Tokens a second over the median of the timed steps' unsynchronized wall times, or None with fewer than
+    `MIN_STEPS_FOR_MEDIAN` of them: a step's wall time says when the caller got its result back, which in steady
+    state is the step's pace, but one or two steps (the disk runs time one) return long before their work ends (the
+    8B disk run: 1.29 s against 34.1 s synchronized), and a figure from them would be 26 times too high."""
+    if len(timed_step_s) < MIN_STEPS_FOR_MEDIAN:
+        return None
+    return round(tokens_per_step / statistics.median(timed_step_s), 1)
 
 
 def pinned_cache_bytes() -> dict[str, int]:
