@@ -119,9 +119,10 @@ def dtypes_of(engine) -> dict[str, list[str]]:
 
 
 def torch_pinned_cache() -> dict[str, int]:
-    """What torch's caching host allocator holds (page-locked activation and norm downloads on a GPU), or nothing
-    without CUDA."""
+    """What torch's caching host allocator holds now and held at most (page-locked memory outside the engine's own
+    count: activation and norm downloads on a GPU; part of what a host peak above the start summary's count is made
+    of), or nothing without CUDA."""
     if not torch.cuda.is_available():
         return {}
     stats = torch.cuda.host_memory_stats()
-    return {k: int(v) for k, v in stats.items() if "bytes" in k and k.endswith("current")}
+    return {k: int(v) for k, v in stats.items() if "bytes" in k and k.endswith(("current", "peak"))}

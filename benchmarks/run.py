@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipeConfig  # noqa: E402
 from benchmarks.commit import git_commit  # noqa: E402
 from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa: E402
+from benchmarks.host_buffers import torch_pinned_cache  # noqa: E402
 from benchmarks.memory import host_peak_gib, is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
 from benchmarks.records import emit  # noqa: E402
@@ -140,7 +141,7 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
     if with_disk_probe:
         settings["disk_bandwidth"] = disk_probe(config, result["path"])
     settings.update(optimizer_placement=placement, num_microbatches=result["num_microbatches"], path=result["path"],
-                    step_s=result["step_s"], torch_pinned_cache=pinned_cache_bytes())
+                    step_s=result["step_s"], torch_pinned_cache=torch_pinned_cache())
     record["system"] = system_name(system, config.resolved_async_optimizer, max_grad_norm, placement)
     return {**record, "tokens_per_s": result["tokens_per_s"], "iter_s": result["iter_s"],
             # Steady state as the reference's and the in-GPU anchors' scripts report it: the median timed step.
@@ -162,16 +163,6 @@ def median_step_tokens_per_s(timed_step_s: list[float], tokens_per_step: int) ->
     if len(timed_step_s) < MIN_STEPS_FOR_MEDIAN:
         return None
     return round(tokens_per_step / statistics.median(timed_step_s), 1)
-
-
-def pinned_cache_bytes() -> dict[str, int]:
-    """What torch's caching host allocator holds now and held at most (page-locked memory outside the engine's own
-    accounting: activation and norm downloads), or nothing without CUDA. Part of what a host peak above the start
-    summary's count is made of."""
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.host_memory_stats()
-    return {k: int(v) for k, v in stats.items() if "bytes" in k and k.endswith(("current", "peak"))}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
