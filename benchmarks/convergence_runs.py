@@ -110,8 +110,12 @@ class _History:
             return {}
         ends = [self.train_begin, *self.step_ends[:12]]
         prepare = {} if self.init_end is None else {"prepare_s": round(self.train_begin - self.init_end, 3)}
+        every = [self.train_begin, *self.step_ends]
         return {**prepare, "first_step_s": round(ends[1] - ends[0], 3),
-                "early_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(ends[1:], ends[2:])]}
+                "early_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(ends[1:], ends[2:])],
+                # every step's wall time (an evaluation's falls in the step after it): where a mean above the
+                # median goes (steps after an evaluation, a re-plan, a slow tail)
+                "step_ms": [round((b - a) * 1e3, 1) for a, b in zip(every, every[1:])]}
 
     def median_step_s(self) -> float | None:
         """The median time between two step ends past the first 10 steps (start-up, measured pass and re-plan,

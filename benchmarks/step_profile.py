@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks import convergence, text_corpus, trace_summary  # noqa: E402
 from benchmarks.convergence_runs import builtin_systems, parse_variant, train  # noqa: E402
+from benchmarks.stack_sampler import StackSampler  # noqa: E402
 
 PHASES = ("steps", "start-up", "evaluate")
 
@@ -44,15 +45,18 @@ class ProfileWindow:
       the plan made) to the end of step `end`;
     - `evaluate`: the evaluation the Trainer runs after step `end` (its `eval_steps` must be `end`)."""
 
-    def __init__(self, start: int, end: int, trace_path: Path, phase: str = "steps") -> None:
+    def __init__(self, start: int, end: int, trace_path: Path, phase: str = "steps",
+                 sampler: StackSampler | None = None) -> None:
         from transformers import TrainerCallback
 
         window = self
         self.start, self.end, self.trace_path, self.phase = start, end, trace_path, phase
+        self.sampler = sampler  # instead of the profilers: stacks sampled, the code run at full speed
         self.profiler = None
         self.python_profile: cProfile.Profile | None = None
         self.python_top = ""  # the caller thread's functions by cumulative time (start-up, evaluate)
         self.wall_s: float | None = None
+        self._t0: float | None = None
 
         class Callback(TrainerCallback):
             def on_init_end(self, args, state, control, **kwargs):
@@ -72,12 +76,16 @@ class ProfileWindow:
                     window.finish()
 
             def on_evaluate(self, args, state, control, **kwargs):
-                if window.phase == "evaluate" and window.profiler is not None and window.wall_s is None:
+                if window.phase == "evaluate" and window._t0 is not None and window.wall_s is None:
                     window.finish()
 
         self.callback = Callback()
 
     def begin(self) -> None:
+        if self.sampler is not None:
+            self.sampler.start()
+            self._t0 = time.perf_counter()
+            return
         if self.phase != "steps":  # one long phase on the caller's thread: where its Python time goes, too
             self.python_profile = cProfile.Profile()
             self.python_profile.enable()
@@ -91,6 +99,9 @@ class ProfileWindow:
 
     def finish(self) -> None:
         self.wall_s = time.perf_counter() - self._t0
+        if self.sampler is not None:
+            self.sampler.stop()
+            return
         self.thread_names = {str(t.native_id): t.name for t in threading.enumerate()}
         if self.python_profile is not None:
             self.python_profile.disable()
@@ -114,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="what is profiled: the steps of --window, the start-up up to the end of the window's "
                              "last step, or the evaluation after it")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the process")
+    parser.add_argument("--sampler", type=float, default=None, metavar="MS",
+                        help="sample every thread's Python stack every MS ms instead of profiling (full speed; "
+                             "where the wall time of a start-up or an evaluation goes)")
     parser.add_argument("--out", required=True, help="folder for <system>_trace.json.gz and step_profile.json")
     args = parser.parse_args(argv)
     start, end = (int(v) for v in args.window.split(":"))
@@ -141,9 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {}
     for system in systems:
         with tempfile.TemporaryDirectory() as tmp:
-            window = ProfileWindow(start, end, Path(tmp) / "trace.json", args.phase)
+            sampler = None if args.sampler is None else StackSampler(args.sampler / 1e3)
+            window = ProfileWindow(start, end, Path(tmp) / "trace.json", args.phase, sampler)
             record, _ = train(system, model_config, init, train_set, eval_set, regime, sizes,
                               callbacks=(window.callback,))
+            if sampler is not None:
+                text = sampler.report()
+                (out / f"{system.name}_{args.phase}_samples.txt").write_text(text)
+                print(f"== {system.name} ({args.phase}): window {window.wall_s * 1e3:.1f} ms; whole run "
+                      f"{record['tokens_per_s']:,.0f} tok/s, held-out {record['final_eval_loss']:.4f}\n{text}",
+                      flush=True)
+                continue
             trace = trace_summary.load(str(window.trace_path))
             name = system.name if args.phase == "steps" else f"{system.name}_{args.phase}"
             with open(window.trace_path, "rb") as src, gzip.open(out / f"{name}_trace.json.gz", "wb") as dst:

@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, moe-experts, moe-profile,
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b, disk-8b-cap24 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks.
@@ -24,7 +24,7 @@ LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
-WORKLOADS+=" eval-startup eval-kernels"
+WORKLOADS+=" eval-startup eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b disk-8b-cap24"
@@ -213,6 +213,13 @@ run_ours() {
       --variant defaults: --out "$OUT/profile"
     step 80 python3 benchmarks/step_profile.py --preset gpu --steps 20 --window 0:3 --phase start-up --systems hf \
       --variant defaults: --out "$OUT/profile" ;;
+  start-up-samples)  # after eval-startup (its warm-up): where the wall time of the start-up (train() to the end of
+    # step 2) and of an evaluation during training (after step 50) goes, each thread's Python stack sampled every
+    # millisecond at full speed (no profiler), the plain Trainer and RoundPipeTrainer at its defaults
+    step 80 python3 benchmarks/step_profile.py --preset gpu --steps 4 --window 0:2 --phase start-up --systems hf \
+      --variant defaults: --sampler 1 --out "$OUT/samples"
+    step 80 python3 benchmarks/step_profile.py --preset gpu --steps 60 --window 0:50 --phase evaluate --systems hf \
+      --variant defaults: --sampler 1 --out "$OUT/samples" ;;
   placement-small-alone)  # issue 26's small-model target, each system in a process of its own (a user trains one
     # model a process; a RoundPipe run after the plain Trainer in one process was 12% slower a step, unexplained),
     # after a warm-up of both (Liger's Triton kernels compiled into the cache, as on a user's second run)
