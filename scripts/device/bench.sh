@@ -6,7 +6,7 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, start-up-samples, moe-experts, moe-profile,
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b, disk-8b-cap24 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks.
@@ -24,7 +24,7 @@ LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
-WORKLOADS+=" eval-startup eval-kernels start-up-samples"
+WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b disk-8b-cap24"
@@ -203,12 +203,13 @@ run_ours() {
       --variant no-kernels:kernels=none --out "$OUT" ;;
   eval-startup)  # issue 31 item 10: what a user waits for on the 168M preset (300 steps, an evaluation every 50):
     # the whole train() and each evaluate(), the plain Trainer and RoundPipeTrainer at its defaults, each in its own
-    # process after a warm-up of both; then where an evaluation and the start-up go (torch.profiler + cProfile)
+    # process after a warm-up of both (eval-profiles after it: where an evaluation and the start-up go)
     step 70 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --steps 20 \
       --eval-every 1000 --variant warm-up:optimizer_placement=auto --out "$OUT/warmup"
     step 90 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems hf --out "$OUT"
     step 110 python3 benchmarks/convergence.py --preset gpu --regimes scratch --systems "" \
-      --variant defaults: --out "$OUT"
+      --variant defaults: --out "$OUT" ;;
+  eval-profiles)  # after eval-startup: torch.profiler + cProfile over an evaluation and over the start-up
     step 80 python3 benchmarks/step_profile.py --preset gpu --steps 30 --window 0:20 --phase evaluate --systems hf \
       --variant defaults: --out "$OUT/profile"
     step 80 python3 benchmarks/step_profile.py --preset gpu --steps 20 --window 0:3 --phase start-up --systems hf \
