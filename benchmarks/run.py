@@ -189,6 +189,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--whole-bucket-uploads", action="store_true", help="upload each parameter bucket in one "
                         "copy, as before the chunked uploads ([Note: parameter uploads in chunks]), to measure the "
                         "two beside each other")
+    parser.add_argument("--no-buffer-reuse", action="store_true", help="every task's parameter buffers back to "
+                        "torch's caching allocator at its end, as before [Note: weight buffers reused], to measure "
+                        "the two beside each other")
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
@@ -266,12 +269,17 @@ def main(argv: list[str] | None = None) -> None:
                 from accelerate_roundpipe.runtime.devices import device
 
                 device.PARAM_UPLOAD_CHUNK_BYTES = 1 << 62  # every bucket in one copy
+            if args.no_buffer_reuse:
+                from accelerate_roundpipe.runtime.execution import weight_buffers
+
+                weight_buffers.IDLE_TASKS = 0  # no buffer outlives the task end that gives it back
             record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                              args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
                              args.max_grad_norm, args.disk_probe)
             variant = [name for flag, name in ((args.peft_lora_adds, "peft-lora-adds"),
                                                (args.peft_merged_experts, "peft-merged-experts"),
-                                               (args.whole_bucket_uploads, "whole-bucket-uploads")) if flag]
+                                               (args.whole_bucket_uploads, "whole-bucket-uploads"),
+                                               (args.no_buffer_reuse, "no-buffer-reuse")) if flag]
             if variant:  # the record says which computation it measured
                 record["variant"] = variant
                 record["system"] = "-".join([record["system"] or args.system, *variant])

@@ -62,9 +62,9 @@ def _recording_residency(engine):
     issued: list[int] = []
     upload = residency.device.upload_params_into
 
-    def recorded(flats, hosts):
+    def recorded(flats, hosts, after=()):
         issued.extend(bucket_of_host[h.data_ptr()] for h in hosts)
-        return upload(flats, hosts)
+        return upload(flats, hosts, after=after)
 
     residency.device.upload_params_into = recorded
     return residency, issued

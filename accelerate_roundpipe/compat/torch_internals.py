@@ -1,7 +1,8 @@
 """The reaches into torch's private API ([Note: compatibility reaches]). Written against torch 2.13 (and 2.11, on
 the GPU machine). Callers: `integrations/multi_process.py` (the default group's timeout and store, the engine's
 autograd nodes), `runtime/optimizer/optimizer.py` (the scheduler's step flag), `integrations/grad_norm.py` (the
-vectorised norms), `runtime/state/host_resident.py` (what `.to()` asks for)."""
+vectorised norms), `runtime/state/host_resident.py` (what `.to()` asks for), `runtime/execution/weight_buffers.py`
+(a storage's reference count)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,13 @@ def parse_to_arguments(*args, **kwargs) -> tuple:
     if not isinstance(parsed, tuple) or len(parsed) != 4:
         raise LibraryChangedError(LIBRARY, reach, "it no longer returns (device, dtype, non_blocking, memory_format)")
     return parsed
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many references the memory under `tensor` has: `tensor` itself, the storage object this call makes,
+    and one per other tensor (a view, a tensor an autograd graph saved) on it (`torch._C._storage_Use_Count`, private;
+    a torch without it reports a count that keeps every buffer out of reuse)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return -1
+    return use_count(tensor.untyped_storage()._cdata)

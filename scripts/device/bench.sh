@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b, disk-8b-cap24 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
-# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks.
+# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -28,7 +28,7 @@ WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b disk-8b-cap24"
-WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks"
+WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -316,6 +316,13 @@ run_ours() {
       --trace-dir "$OUT/traces/whole"
     ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3
     ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --whole-bucket-uploads ;;
+  buffer-reuse)  # [Note: weight buffers reused] A/B under the cap, beside `moe-cap24` (the default, traced, in the
+    # same call): Qwen3-30B-A3B LoRA b8 with every task's buffers back to the caching allocator (`--no-buffer-reuse`;
+    # the forward stalled at every stage boundary on the allocator's wait for the GPU), and Qwen3-4B full fine-tune
+    # b8 reused (the default) and not
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --no-buffer-reuse
+    ours 130 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3
+    ours 130 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --no-buffer-reuse ;;
   placement-cap24)  # under the 24 GiB cap: Qwen3-4B full fine-tune, Llama-3.1-8B LoRA; auto runs first of each
     w=qwen3-4b-full-s4096-b8-cap24
     warm_up 75 $w roundpipe-engine --warm 1 --iters 1 --roundpipe optimizer_placement=auto

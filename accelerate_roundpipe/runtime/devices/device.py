@@ -240,11 +240,20 @@ class Device(abc.ABC):
         with self._on_stream(self.param_in):
             return [self._empty(h.shape, h.dtype) for h in hosts]
 
-    def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor]) -> list:
+    def retire_params(self, flats: list[torch.Tensor], end_event) -> None:
+        """`flats` were read by the compute stream up to `end_event` and will be uploaded into again, after a wait
+        for it ([Note: weight buffers reused]); a device that checks stream order records it."""
+        return None  # nothing to record where the order is not checked
+
+    def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor], after=()) -> list:
         """Start copying host buckets (compute copies, or optimizer copies in another dtype, cast on the device)
         into the device buffers `flats`; returns one copy event per bucket. Call `use_params` for a bucket before
-        computing with it: a task's first layer can start as soon as its own bucket has landed."""
+        computing with it: a task's first layer can start as soon as its own bucket has landed. `after`: events of
+        the compute stream the copies wait for, on the GPU (buffers an earlier task read: [Note: weight buffers
+        reused])."""
         faults.point("transfer.upload")
+        for event in dict.fromkeys(after):  # one wait per distinct event
+            self.param_in.wait_event(event)
         with self._on_stream(self.param_in):
             begin, finish = self._traced(self.param_in, "parameter upload", hosts)
             begin()

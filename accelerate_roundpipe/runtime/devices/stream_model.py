@@ -13,9 +13,10 @@ thread that breaks them (the engine reports it to the caller like any worker fai
 - an asynchronous copy to the host targets page-locked memory (`_page_locked_empty`, a copy `_to_host` allocates,
   or the gradient pool's buffers, which the engine page-locks whenever a GPU is used).
 A host read of a download before its event (`Payload.host`) reads the poison, and the gradients, norms or losses turn
-NaN. Every stream operation goes to `log` ((stream, operation) pairs), for tests to check the order. Not modelled:
-memory reuse (`_hold`, CUDA's `record_stream`: Python keeps a queued copy's tensors alive). Tests make every CPU
-worker one with `monkeypatch.setattr(runtime.devices.factory, "cpu_device_class", StreamModelDevice)`
+NaN. A copy into a buffer handed from one task to a later one (`retire_params`: [Note: weight buffers reused]) must
+be issued on a stream that waited for the compute stream past its last read of that buffer. Not modelled: the
+caching allocator's reuse (`_hold`, CUDA's `record_stream`: Python keeps a queued copy's tensors alive). Tests make
+every CPU worker one with `monkeypatch.setattr(runtime.devices.factory, "cpu_device_class", StreamModelDevice)`
 (`tests/test_stream_model.py`).
 """
 
@@ -65,6 +66,9 @@ class ModelEvent:
 
     def record(self, stream: ModelStream) -> None:
         with _LOCK:
+            if stream.eager:  # a mark of its own, so work issued before it and after it have distinct positions
+                stream.issued += 1
+                stream.done += 1
             self.stream, self.position = stream, stream.issued
             stream.device.log.append((stream.name, "record event"))
 
@@ -89,6 +93,7 @@ class ModelStream:
         self.device, self.name, self.eager = device, name, eager
         self.queue: collections.deque = collections.deque()
         self.issued = self.done = 0
+        self.compute_waited = -1  # the furthest position of its device's compute stream this stream waited for
 
     def __repr__(self) -> str:
         return f"{self.device} {self.name}"
@@ -123,6 +128,8 @@ class ModelStream:
             raise StreamOrderError(f"{self} waits for {event!r}, which is not an event of a stream")
         source = event._recorded(str(self))
         what = f"wait for {source.name}" + ("" if source.device is self.device else f" of {source.device}")
+        if source is self.device.compute_stream:
+            self.compute_waited = max(self.compute_waited, event.position)
         self.enqueue(lambda: source.run_to(event.position), what)
 
     def wait_stream(self, stream: ModelStream) -> None:
@@ -142,6 +149,11 @@ class _ComputeReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = self.device
+        reads = not getattr(func, "is_view", False) and getattr(func, "_opname", None) not in self._NOT_READS
+        if reads and device.reusable and getattr(_local, "stream", None) is device.compute_stream:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and _storage(leaf) in device.reusable:
+                    device.compute_read_at[_storage(leaf)] = device.compute_stream.issued
         if (not getattr(_local, "running", 0) and getattr(_local, "stream", None) is device.compute_stream
                 and device.in_flight and not getattr(func, "is_view", False)
                 and getattr(func, "_opname", None) not in self._NOT_READS):
@@ -159,6 +171,11 @@ class StreamModelDevice(CpuDevice):
     def __init__(self, device: torch.device, index: int) -> None:
         self.log: list[tuple[str, str]] = []
         self.in_flight: dict[int, int] = {}  # storage -> copies into it not run yet
+        # Buffers handed from one task to a later one ([Note: weight buffers reused]) and the compute stream's
+        # position at its last read of each; forgotten when memory at the same address is allocated anew (the
+        # buffer was freed), so nothing here keeps a buffer alive
+        self.reusable: set[int] = set()
+        self.compute_read_at: dict[int, int] = {}
         self._page_locked: set[int] = set()
         super().__init__(device, index)
 
@@ -185,8 +202,19 @@ class StreamModelDevice(CpuDevice):
             raise StreamOrderError(f"{self}: a copy issued outside any of this device's streams")
         return stream
 
+    def retire_params(self, flats: list[torch.Tensor], end_event) -> None:
+        for flat in flats:
+            key = _storage(flat)
+            self.reusable.add(key)
+            self.compute_read_at[key] = end_event.position - 1  # the task's reads came before its end event
+
     def _queue_copy(self, dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         stream, key = self._current(), _storage(dst)
+        read_at = self.compute_read_at.get(key)
+        if read_at is not None and stream is not self.compute_stream and stream.compute_waited <= read_at:
+            raise StreamOrderError(
+                f"{self}: {what} on {stream.name} overwrites memory the compute stream read, without waiting for "
+                f"the compute stream past that read (a reused buffer: [Note: weight buffers reused])")
         with _LOCK:
             if not self.in_flight.get(key):  # not while an earlier copy on the stream still uses it
                 _local.running = getattr(_local, "running", 0) + 1
@@ -206,8 +234,18 @@ class StreamModelDevice(CpuDevice):
 
         stream.enqueue(run, what)
 
+    def _fresh(self, tensor: torch.Tensor) -> torch.Tensor:
+        """New memory: whatever buffer lived at its address before is gone."""
+        key = _storage(tensor)
+        self.reusable.discard(key)
+        self.compute_read_at.pop(key, None)
+        return tensor
+
+    def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self._fresh(super()._empty(shape, dtype))
+
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(tensor)
+        out = self._fresh(torch.empty_like(tensor))
         self._queue_copy(out, tensor, "copy to device")
         return out
 
@@ -229,7 +267,7 @@ class StreamModelDevice(CpuDevice):
         self._queue_copy(dst, src, "copy on device")
 
     def _page_locked_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        out = self._fresh(torch.empty(shape, dtype=dtype))
         self._page_locked.add(_storage(out))
         return out
 

@@ -18,6 +18,7 @@ from ..devices.payload import NO_SPAN
 from ..state.host_store import Binding, HostStore
 from .jobs import TaskJob
 from .layer_copy import LayerCopy
+from .weight_buffers import WeightBuffers
 
 NO_TIMING = contextlib.nullcontext()  # uploads of a pass that is not measured
 
@@ -41,7 +42,7 @@ class TaskParams:
     """
 
     __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "last_event", "grads", "grad_uses",
-                 "newest", "profile")
+                 "newest", "profile", "reused_after")
 
     def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
                  tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
@@ -57,6 +58,8 @@ class TaskParams:
         self.grads: dict[int, torch.Tensor] = {}
         # bucket -> (slot index, the `.grad` preset on a use of that slot, its version when preset), one per use
         self.grad_uses: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+        # bucket -> the compute-stream event its reused buffer is free after ([Note: weight buffers reused])
+        self.reused_after: dict[int, object] = {}
 
     def used_slots(self, bucket_index: int) -> frozenset[int]:
         """The slots of `bucket_index` whose gradient the task's backward accumulated into, so far: a preset `.grad`
@@ -127,6 +130,8 @@ class ParamResidency:
         self._deferred: TaskJob | None = None  # the next job, prefetched once the running task's uploads are issued
         self._bound: range = range(0)  # layers whose copies hold the running task's tensors
         self._bind_plans: dict[tuple[int, int], BindPlan] = {}  # span -> its [Note: bind plans]
+        self.buffers = WeightBuffers()  # [Note: weight buffers reused]
+        self._running: TaskParams | None = None  # the parameters of the task the worker runs now
 
     def copy(self, layer_index: int) -> LayerCopy:
         copy = self.copies.get(layer_index)
@@ -139,9 +144,16 @@ class ParamResidency:
     def _allocate(self, job: TaskJob) -> TaskParams:
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
-        flats = self.device.empty_params([self.store.buckets[b].compute[slice(*windows[b])] for b in indices])
-        return TaskParams(dict(zip(indices, flats)), windows, job.read_tickets, newest=job.plan.reads_newest,
-                          profile=job.results.profile)
+        hosts = {b: self.store.buckets[b].compute[slice(*windows[b])] for b in indices}
+        reused = {b: got for b in indices if (got := self.buffers.take(hosts[b].numel(), hosts[b].dtype))}
+        fresh = [b for b in indices if b not in reused]
+        flats = dict(zip(fresh, self.device.empty_params([hosts[b] for b in fresh])))
+        for b, (buffer, _) in reused.items():
+            flats[b] = buffer if buffer.shape == hosts[b].shape else buffer.view(hosts[b].shape)
+        params = TaskParams({b: flats[b] for b in indices}, windows, job.read_tickets,
+                            newest=job.plan.reads_newest, profile=job.results.profile)
+        params.reused_after = {b: event for b, (_, event) in reused.items()}
+        return params
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -176,8 +188,9 @@ class ParamResidency:
             if params.profile is not None and crossing and \
                     not any(self.store.uploads_pageable(b, h) for (b, _), h in zip(batch, hosts)):
                 timed = params.profile.measure_upload(self.device, crossing)
+            after = [params.reused_after.pop(b) for b, _ in batch if b in params.reused_after]
             with timed:
-                events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts)
+                events = self.device.upload_params_into([params.flats[b] for b, _ in batch], hosts, after=after)
             params.mark_issued(batch, events)
             if not any(b in need for b, _ in params.unissued):
                 return
@@ -219,6 +232,7 @@ class ParamResidency:
             self._deferred = None
         params = self._prefetched.pop(id(job), None) or self._allocate(job)
         self._issue(params)
+        self._running = params
         return params
 
     def prefetch(self, job: TaskJob | None, running: TaskParams | None = None) -> None:
@@ -306,3 +320,14 @@ class ParamResidency:
         for layer in self._bound:
             self.copy(layer).unbind()
         self._bound = range(0)
+
+    def end_task(self, end_event) -> None:
+        """The running task has queued its last kernel (`end_event` follows it on the compute stream): its
+        parameter buffers go back for later tasks ([Note: weight buffers reused]). After `unbind`."""
+        params, self._running = self._running, None
+        if params is None:
+            return
+        flats = [flat if flat._base is None else flat._base for flat in params.flats.values()]
+        params.flats = {}
+        self.device.retire_params(flats, end_event)
+        self.buffers.give(flats, end_event)

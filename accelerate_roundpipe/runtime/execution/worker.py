@@ -221,7 +221,9 @@ class Worker:
                 return self._run_traced(run, job)
             finally:
                 self.residency.unbind()
-                self._task_ends.append(self.device.task_end_event())
+                end = self.device.task_end_event()
+                self._task_ends.append(end)
+                self.residency.end_task(end)
 
     def _run_traced(self, run, job: TaskJob) -> bool:
         """`run(job)`, with a compute span in the trace when one is recorded on a device that times its kernels."""

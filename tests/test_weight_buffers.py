@@ -1,0 +1,80 @@
+"""[Note: weight buffers reused]: a task's parameter buffers serve a later task of the same shape, the upload into
+them ordered on the GPU after the last task that read them; checked on the pool itself and through the engine on
+the stream model, where a copy into a reused buffer without that wait raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_stream_model import train
+
+from accelerate_roundpipe.runtime.devices import factory
+from accelerate_roundpipe.runtime.devices.device import Device
+from accelerate_roundpipe.runtime.devices.stream_model import StreamModelDevice, StreamOrderError
+from accelerate_roundpipe.runtime.execution import weight_buffers
+from accelerate_roundpipe.runtime.execution.weight_buffers import WeightBuffers
+
+
+def test_a_buffer_comes_back_for_the_same_size_and_dtype_with_its_event():
+    pool = WeightBuffers()
+    a, b = torch.empty(8), torch.empty(4, dtype=torch.float64)
+    pool.give([a, b], "e1")
+    assert pool.take(8, torch.float64) is None and pool.take(4, torch.float32) is None
+    got, event = pool.take(8, torch.float32)
+    assert got is a and event == "e1"
+    assert pool.take(8, torch.float32) is None
+    assert pool.take(4, torch.float64)[0] is b
+
+
+def test_memory_another_tensor_still_views_is_not_taken_back():
+    pool = WeightBuffers()
+    kept, alone = torch.empty(8), torch.empty(8)
+    view = kept[2:5]  # an autograd graph kept past the task would hold such a view
+    pool.give([kept, alone], "e")
+    assert pool.returned == 1
+    assert pool.take(8, torch.float32)[0] is alone and pool.take(8, torch.float32) is None
+    del view
+
+
+def test_idle_buffers_go_back_after_a_few_task_ends_and_beyond_the_largest_task():
+    pool = WeightBuffers()
+    odd = torch.empty(3)
+    pool.give([odd], "e0")
+    for i in range(weight_buffers.IDLE_TASKS):
+        pool.give([torch.empty(16)], f"e{i + 1}")  # tasks of another size; each one's buffer idles too
+    assert pool.take(3, torch.float32) is None  # idle for IDLE_TASKS task ends: handed back to the allocator
+    # idle bytes never exceed the largest task's parameter bytes (one buffer of 16 here)
+    assert pool.idle_bytes <= 16 * 4
+    assert pool.take(16, torch.float32) is not None
+
+
+def test_training_reuses_buffers_and_each_reuse_waits_for_the_compute_stream(monkeypatch):
+    monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
+    pools = []
+    real_give = WeightBuffers.give
+
+    def give(self, buffers, event):
+        if self not in pools:
+            pools.append(self)
+        return real_give(self, buffers, event)
+
+    monkeypatch.setattr(WeightBuffers, "give", give)
+    train("hand-stage", steps=3)  # equal to the plain CPU device: tests/test_stream_model.py
+    assert sum(pool.reused for pool in pools) > 0
+
+
+def test_a_reused_buffer_uploaded_into_without_the_wait_is_refused(monkeypatch):
+    monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
+    real_upload = Device.upload_params_into
+
+    def upload_without_waiting(self, flats, hosts, after=()):
+        return real_upload(self, flats, hosts)
+
+    monkeypatch.setattr(Device, "upload_params_into", upload_without_waiting)
+    with pytest.raises(Exception) as raised:
+        train("hand-stage", steps=3)
+    chain, error = [], raised.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, StreamOrderError) and "reused buffer" in str(e) for e in chain), chain
