@@ -249,8 +249,8 @@ class Device(abc.ABC):
         """Start copying host buckets (compute copies, or optimizer copies in another dtype, cast on the device)
         into the device buffers `flats`; returns one copy event per bucket. Call `use_params` for a bucket before
         computing with it: a task's first layer can start as soon as its own bucket has landed. `after`: events of
-        the compute stream the copies wait for, on the GPU (buffers an earlier task read: [Note: weight buffers
-        reused])."""
+        the compute stream the copies wait for, on the GPU (buffers an earlier task read; see
+        [Note: weight buffers reused])."""
         faults.point("transfer.upload")
         for event in dict.fromkeys(after):  # one wait per distinct event
             self.param_in.wait_event(event)
