@@ -25,6 +25,9 @@ class PlannedPartition:
     backward_stage_bytes: tuple[float, ...]
     search_s: float
     settings: PlanSettings
+    # The largest stage memory besides its parameters and the next task's arriving ones (gradients, activations,
+    # the backward's working set, transfers in flight): what a running task may still allocate after it started.
+    peak_working_bytes: float = 0.0
 
     @classmethod
     def predict(cls, partition: Partition, model: StageCostModel, search_s: float) -> PlannedPartition:
@@ -41,6 +44,9 @@ class PlannedPartition:
             backward_stage_bytes=tuple(model.memory(k, *s) for k, s in zip(kinds, partition.backward)),
             search_s=search_s,
             settings=model.settings,
+            peak_working_bytes=max(_working_bytes(model, k, s) for k, s in
+                                   [(TaskKind.FORWARD, s) for s in partition.forward] + list(zip(kinds,
+                                                                                                 partition.backward))),
         )
 
     @property
@@ -74,3 +80,8 @@ class PlannedPartition:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def _working_bytes(model: StageCostModel, kind: TaskKind, span: Span) -> float:
+    parts = model.memory_parts(kind, *span)
+    return sum(parts.values()) - parts["parameters"] - parts["prefetch"]

@@ -39,7 +39,7 @@ from ..optimizer.optimizer import RoundPipeOptimizer
 from ..state.host_resident import HostResidentModule
 from ..state.host_store import HostStore
 from ..state.placement import OptimizerPlacement
-from ..state.weight_edits import WeightEdits, apply_edits, kept_values
+from ..state.weight_edits import FrozenEdits, WeightEdits, apply_edits, kept_values
 from . import engine_checkpoint
 from .engine_parts import build_engine_parts
 from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
@@ -85,6 +85,7 @@ class RoundPipe(HostResidentModule):
         self._torn, self._launch = parts.torn, parts.launch
         self._placement: OptimizerPlacement | None = None  # made when the optimizer is wrapped
         self._weight_edits = WeightEdits(self._store)  # [Note: weight edits followed]
+        self._frozen_edits = FrozenEdits(self._store)  # [Note: shared frozen weights]
         # Written when the engine is freed or the process exits, if nothing wrote it before ([Note: trace at exit]).
         self._trace_saver = save_when_freed(self, self.trace, self.config.resolved_summary) if self.trace else None
         self._torn_hook = module.register_state_dict_pre_hook(self._torn)
@@ -463,6 +464,7 @@ class RoundPipe(HostResidentModule):
 
     def _before_pass(self, inputs: Any) -> None:
         self.follow_weight_edits()
+        self._frozen_edits.follow()  # before this pass's tasks are queued
         if self.optimizer is not None:  # before this pass's commits: [Note: parameters without a gradient]
             self.optimizer.follow_user_grads()
         if self._launch.before_pass():

@@ -41,6 +41,9 @@ class PassPlan:
     loss_weights: tuple[float, ...] = ()  # per micro-batch, grad scale included
     # Saved layer inputs may stay on the device while its allocated memory is below this ([Note: saved inputs]).
     keep_limit_bytes: int = 0
+    # A task after the next may have its parameters prefetched while the device's allocated memory, with them,
+    # stays below this ([Note: shared frozen weights]); 0: never.
+    lookahead_limit_bytes: int = 0
     input_dtypes: tuple = ()  # the floating dtypes of the pass's inputs, for a dtype error's explanation
     reads_newest: bool = False  # an evaluation pass reads the newest weights, not the stash (see the optimizer)
     adapter_setting: tuple = ()  # PEFT's switches its forward runs with ([Note: adapter switches])

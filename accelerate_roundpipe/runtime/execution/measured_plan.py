@@ -70,6 +70,9 @@ class MeasuredPlan:
         self.enabled = config.resolved_plan == "measured"
         self.budget_bytes = memory_budget_bytes(config, devices)
         self.keep_limit_bytes = 0 if self.enabled else self._static_keep_limit()
+        # A third task's parameters may be prefetched while the device's allocated memory stays under this
+        # ([Note: shared frozen weights]); 0 until a measured plan says what a running task may still allocate.
+        self.lookahead_limit_bytes = 0
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
@@ -140,6 +143,7 @@ class MeasuredPlan:
             self.chosen_microbatches = chosen
         if self.budget_bytes is not None:  # GPUs: saved inputs only in what the plan leaves free
             self.keep_limit_bytes = max(0, int(budget * PLAN_SHARE - planned.peak_stage_bytes))
+        self.lookahead_limit_bytes = max(0, int(budget * PLAN_SHARE - planned.peak_working_bytes))
         logger.info("RoundPipe re-planned from measured costs: %s (was %s).", planned.partition, current)
         return planned.partition
 

@@ -42,7 +42,7 @@ class TaskParams:
     """
 
     __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "last_event", "grads", "grad_uses",
-                 "newest", "profile", "reused_after")
+                 "newest", "profile", "reused_after", "contents")
 
     def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
                  tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
@@ -60,6 +60,9 @@ class TaskParams:
         self.grad_uses: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
         # bucket -> the compute-stream event its reused buffer is free after ([Note: weight buffers reused])
         self.reused_after: dict[int, object] = {}
+        # frozen bucket -> (window, read epoch, content generation) of what its flat holds once uploaded: a later
+        # task asking for the same may share the flat ([Note: shared frozen weights])
+        self.contents: dict[int, tuple] = {}
 
     def used_slots(self, bucket_index: int) -> frozenset[int]:
         """The slots of `bucket_index` whose gradient the task's backward accumulated into, so far: a preset `.grad`
@@ -128,10 +131,13 @@ class ParamResidency:
         self.copies: dict[int, LayerCopy] = {}
         self._prefetched: dict[int, TaskParams] = {}  # id(job) -> its parameters, some uploads already in flight
         self._deferred: TaskJob | None = None  # the next job, prefetched once the running task's uploads are issued
+        self._deferred_following: TaskJob | None = None  # the job after it ([Note: shared frozen weights])
         self._bound: range = range(0)  # layers whose copies hold the running task's tensors
         self._bind_plans: dict[tuple[int, int], BindPlan] = {}  # span -> its [Note: bind plans]
         self.buffers = WeightBuffers()  # [Note: weight buffers reused]
         self._running: TaskParams | None = None  # the parameters of the task the worker runs now
+        self.shared = 0  # bucket flats a task took from another ([Note: shared frozen weights]; tests read it)
+        self.looked_ahead = 0  # tasks prefetched while another prefetched one waited to run (tests read it)
 
     def copy(self, layer_index: int) -> LayerCopy:
         copy = self.copies.get(layer_index)
@@ -144,16 +150,66 @@ class ParamResidency:
     def _allocate(self, job: TaskJob) -> TaskParams:
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
-        hosts = {b: self.store.buckets[b].compute[slice(*windows[b])] for b in indices}
-        reused = {b: got for b in indices if (got := self.buffers.take(hosts[b].numel(), hosts[b].dtype))}
-        fresh = [b for b in indices if b not in reused]
+        contents = self._contents(job, windows)
+        shared = {b: got for b, content in contents.items() if (got := self._shared(b, content))}
+        hosts = {b: self.store.buckets[b].compute[slice(*windows[b])] for b in indices if b not in shared}
+        reused = {b: got for b, host in hosts.items() if (got := self.buffers.take(host.numel(), host.dtype))}
+        fresh = [b for b in hosts if b not in reused]
         flats = dict(zip(fresh, self.device.empty_params([hosts[b] for b in fresh])))
         for b, (buffer, _) in reused.items():
             flats[b] = buffer if buffer.shape == hosts[b].shape else buffer.view(hosts[b].shape)
+        for b, (flat, _) in shared.items():
+            flats[b] = flat
         params = TaskParams({b: flats[b] for b in indices}, windows, job.read_tickets,
                             newest=job.plan.reads_newest, profile=job.results.profile)
         params.reused_after = {b: event for b, (_, event) in reused.items()}
+        params.contents = contents
+        if shared:
+            tickets = [(b, epoch) for b, epoch in job.read_tickets if b in shared]
+            for b, epoch in tickets:  # written long ago (frozen): begins at once, ends as the holder's copy lands
+                self.store.buckets[b].reads.begin_read(epoch, self.failure, f"{self.store.buckets[b]} (shared)")
+            params.mark_issued(tickets, [shared[b][1] for b, _ in tickets])
+            self.shared += len(tickets)
         return params
+
+    def _contents(self, job: TaskJob, windows: dict[int, tuple[int, int]]) -> dict[int, tuple]:
+        """What each frozen bucket's flat of `job` will hold: (window, read epoch, content generation)."""
+        buckets = self.store.buckets
+        return {b: (windows[b], epoch, buckets[b].content_generation) for b, epoch in job.read_tickets
+                if not buckets[b].trainable}
+
+    def _shared(self, bucket_index: int, content: tuple):
+        """[Note: shared frozen weights]
+        (flat, copy event) of a task on this device, running or prefetched, whose flat of `bucket_index` holds
+        `content` with its upload issued; None when none does.
+
+        A frozen bucket holds the same values in every pass, so a task whose span repeats the running or prefetched
+        one's (the next iteration's first forward stage after the last backward stage, the same layers) reads the
+        flat that task uploaded instead of uploading it again: 4.1 GB a step on Qwen3-30B-A3B LoRA under a 24 GiB
+        cap, where the last backward stage and the first forward stage both cover layers 0-3. That alone leaves the
+        PCIe idle (the second forward stage's prefetch waits until the first stage runs), so a task whose
+        parameters then cost little new memory lets the worker prefetch the task after it too (`prefetch`), while
+        the device's allocated memory stays under what the measured plan leaves a running task
+        (`PassPlan.lookahead_limit_bytes`). Shared only with the same window, read epoch and content generation:
+        a parameter the user changes in place counts its bucket's generation up at the next pass's launch
+        (`FrozenEdits`), and that pass uploads it afresh."""
+        for holder in (self._running, *self._prefetched.values()):
+            if holder is None or holder.contents.get(bucket_index) != content:
+                continue
+            if bucket_index in holder.flats and bucket_index in holder.events:
+                # A view of its own, so the holder's end sees the memory still in use and keeps it out of
+                # `buffers` until this task ends too ([Note: weight buffers reused]).
+                flat = holder.flats[bucket_index]
+                return flat.view(flat.shape), holder.events[bucket_index]
+        return None
+
+    def _new_bytes(self, job: TaskJob) -> int:
+        """Device memory `job`'s parameters would newly take: what no live task shares and no idle buffer serves."""
+        windows = {b: self.store.window(job.task.span.layers, b) for b, _ in job.read_tickets}
+        contents = self._contents(job, windows)
+        sizes = [(stop - start, self.store.buckets[b].compute.dtype) for b, (start, stop) in windows.items()
+                 if b not in contents or self._shared(b, contents[b]) is None]
+        return sum(n * dtype.itemsize for n, dtype in sizes) - self.buffers.idle_bytes_for(sizes)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -229,13 +285,14 @@ class ParamResidency:
         """`job`'s parameters on the device: the prefetched ones, else allocated now, with the uploads of every
         version already written issued ([Note: uploads as versions land])."""
         if self._deferred is job:
-            self._deferred = None
+            self._deferred = self._deferred_following = None
         params = self._prefetched.pop(id(job), None) or self._allocate(job)
         self._issue(params)
         self._running = params
         return params
 
-    def prefetch(self, job: TaskJob | None, running: TaskParams | None = None) -> None:
+    def prefetch(self, job: TaskJob | None, running: TaskParams | None = None,
+                 following: TaskJob | None = None) -> None:
         """[Note: the running task's uploads first]
         Start the uploads of the next queued `job` that are already written (they overlap this task's compute);
         nothing is allocated for it while none of its buckets is written. The parameter copies run in issue order
@@ -244,17 +301,37 @@ class ParamResidency:
         while the next forward starts on them), prefetching at once put the next stage's whole upload (8.7 GiB,
         170 ms on Qwen3-30B-A3B) ahead of the running task's own. So while some of the running task's buckets are
         not issued (`take` issued the written ones), the next job waits: `await_layer` prefetches it once the
-        running task's last upload is issued. The next task cannot compute before the running one anyway."""
+        running task's last upload is issued. The next task cannot compute before the running one anyway.
+
+        `following`, the job after `job`, is prefetched too when the device's memory allows it
+        ([Note: shared frozen weights])."""
         if running is not None and running.unissued:  # `take` has just issued what of it was written
-            self._deferred = job
+            self._deferred, self._deferred_following = job, following
             return
-        self._deferred = None
-        if job is None or id(job) in self._prefetched or not job.read_tickets:
+        self._deferred = self._deferred_following = None
+        if job is None or not job.read_tickets:
             return
-        if any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
+        if id(job) not in self._prefetched:
+            if not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
+                return
             params = self._allocate(job)
             self._issue(params)
             self._prefetched[id(job)] = params
+        if following is not None and self._may_look_ahead(following):
+            params = self._allocate(following)
+            self._issue(params)
+            self._prefetched[id(following)] = params
+            self.looked_ahead += 1
+
+    def _may_look_ahead(self, job: TaskJob) -> bool:
+        """Whether `job`, behind a prefetched one, may have its parameters prefetched now: some of them written,
+        and the device's allocated memory with what they newly take under what the plan leaves a running task."""
+        limit = job.plan.lookahead_limit_bytes
+        if limit <= 0 or id(job) in self._prefetched or not job.read_tickets:
+            return False
+        if not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
+            return False
+        return self.device.fits(self._new_bytes(job), limit)
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
@@ -308,7 +385,8 @@ class ParamResidency:
         if params.unissued:
             self._issue(params, need={b for b, _ in params.unissued if b in needed})
             if not params.unissued and self._deferred is not None:
-                self.prefetch(self._deferred)  # [Note: the running task's uploads first]
+                # the deferred prefetch ([Note: the running task's uploads first])
+                self.prefetch(self._deferred, following=self._deferred_following)
         for bucket_index in needed:
             if bucket_index in params.pending:
                 params.pending.discard(bucket_index)

@@ -142,13 +142,14 @@ class Worker:
     def _next_job(self) -> TaskJob | None:
         return self._lookahead.popleft() if self._lookahead else self.queue.get()
 
-    def _peek_job(self) -> TaskJob | None:
-        if not self._lookahead:
+    def _peek_job(self, position: int = 0) -> TaskJob | None:
+        """The queued job `position` places after the one being run, without taking it; None when not queued yet."""
+        while len(self._lookahead) <= position:
             try:
                 self._lookahead.append(self.queue.get_nowait())
             except queue.Empty:
                 return None
-        return self._lookahead[0]
+        return self._lookahead[position]
 
     def _loop(self) -> None:
         mark_engine_thread()
@@ -184,7 +185,8 @@ class Worker:
     def _params(self, job: TaskJob, with_grad: bool) -> TaskParams:
         """The task's parameters on the device, bound into the layer copies of its span (once per task)."""
         params = self.residency.take(job)
-        self.residency.prefetch(self._peek_job(), params)  # overlaps this task's compute
+        following = self._peek_job(1) if self._peek_job() is not None else None
+        self.residency.prefetch(self._peek_job(), params, following)  # overlaps this task's compute
         self.residency.bind(job, params, with_grad)
         return params
 

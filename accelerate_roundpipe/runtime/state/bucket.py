@@ -74,6 +74,10 @@ class Bucket:
     # `grad`'s version counter when `grad_sq` and `written` were last true of it: a write by anyone else (the user's
     # `p.grad.mul_`, `clip_grad_value_`) shows as another version ([Note: parameters without a gradient]).
     grad_version: int = field(default=-1, repr=False)
+    # A frozen bucket's compute copy as the user last changed it: counted up by the caller's thread at a pass's
+    # launch when one of its parameters was changed in place, so a device copy of an older count is not shared
+    # with a later task ([Note: shared frozen weights]).
+    content_generation: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.versions = WeightVersions(self.compute, self.optim)

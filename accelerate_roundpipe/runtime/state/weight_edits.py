@@ -62,6 +62,28 @@ class WeightEdits:
         return edits
 
 
+class FrozenEdits:
+    """The recorded version of every frozen parameter of a store. Frozen weights are never written by the engine,
+    so an in-place change by the user needs nothing but a new `Bucket.content_generation`: a device copy uploaded
+    before it is then not shared with a task after it ([Note: shared frozen weights]). Owned by the engine's caller
+    thread."""
+
+    def __init__(self, store: HostStore) -> None:
+        self._slots = [(bucket, slot.param) for bucket in store.buckets if not bucket.trainable
+                       for slot in bucket.slots]
+        self._versions = [param._version for _, param in self._slots]
+
+    def follow(self) -> None:
+        """Count up the content generation of every frozen bucket one of whose parameters changed since last."""
+        changed = {}
+        for i, (bucket, param) in enumerate(self._slots):
+            if param._version != self._versions[i]:
+                self._versions[i] = param._version
+                changed[bucket.index] = bucket
+        for bucket in changed.values():
+            bucket.content_generation += 1
+
+
 def kept_values(edits: dict[int, tuple[Bucket, list[int]]]) -> dict[tuple[int, int], torch.Tensor]:
     """The edited parameters' values, copied before a look writes the compute copies."""
     return {(bucket.index, i): bucket.slots[i].param.detach().clone()
