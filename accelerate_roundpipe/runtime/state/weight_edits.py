@@ -18,7 +18,10 @@ with the one it recorded (a tenth of a microsecond each) and, where one moved:
    optimizer dtype), into the newest weights a lagged step holds and into a look's stash, so every reader reads
    them next (`WeightVersions.edited_in_compute`);
 4. records the versions again.
-Frozen parameters need none of this (their compute copy is what every pass uploads). Not seen: writes through
+Frozen parameters need none of this (their compute copy is what every pass uploads), only a new content generation
+so that no device copy of the old values is shared with a later pass (`FrozenEdits`, [Note: shared frozen weights]);
+a frozen edit while a pass still runs (between `optimizer.step()` and the next pass) may be read by that pass's last
+backward stages. Not seen: writes through
 `p.data` (a tensor with a version counter of its own) and through a tensor kept from before wrapping. An edit made
 while the weights shown are one step old (after `optimizer.step()`, before any look) is applied to those values,
 as reading them shows them: look first (`synchronize()`, a state dict) before an edit that reads the weights; a
