@@ -331,7 +331,15 @@ class ParamResidency:
             return False
         if not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
             return False
-        return self.device.fits(self._new_bytes(job), limit)
+        new = self._new_bytes(job)
+        fits = self.device.fits(new, limit)
+        trace = self.device.trace
+        if trace is not None:  # why a look-ahead was or was not taken, on the trace's own track
+            with trace.span(f"{self.device} look-ahead", f"{job.task}: {'taken' if fits else 'not taken'}",
+                            allocated=self.device.allocated_bytes(), new=new, idle=self.buffers.idle_bytes,
+                            limit=limit):
+                pass
+        return fits
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
