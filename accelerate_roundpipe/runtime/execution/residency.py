@@ -204,12 +204,12 @@ class ParamResidency:
         return None
 
     def _new_bytes(self, job: TaskJob) -> int:
-        """Device memory `job`'s parameters would newly take: what no live task shares and no idle buffer serves."""
+        """Device memory `job`'s parameters would take besides what a live task shares with it."""
         windows = {b: self.store.window(job.task.span.layers, b) for b, _ in job.read_tickets}
         contents = self._contents(job, windows)
         sizes = [(stop - start, self.store.buckets[b].compute.dtype) for b, (start, stop) in windows.items()
                  if b not in contents or self._shared(b, contents[b]) is None]
-        return sum(n * dtype.itemsize for n, dtype in sizes) - self.buffers.idle_bytes_for(sizes)
+        return sum(n * dtype.itemsize for n, dtype in sizes)
 
     def _issue(self, params: TaskParams, need: set[int] = frozenset()) -> None:
         """[Note: uploads as versions land]
@@ -319,19 +319,21 @@ class ParamResidency:
             self._prefetched[id(job)] = params
         if following is not None and self._may_look_ahead(following):
             params = self._allocate(following)
+            self.buffers.clear()  # what it did not take goes back to the allocator: `_may_look_ahead` counted it free
             self._issue(params)
             self._prefetched[id(following)] = params
             self.looked_ahead += 1
 
     def _may_look_ahead(self, job: TaskJob) -> bool:
         """Whether `job`, behind a prefetched one, may have its parameters prefetched now: some of them written,
-        and the device's allocated memory with what they newly take under what the plan leaves a running task."""
+        and the device's allocated memory with what they newly take under what the plan leaves a running task. The
+        idle weight buffers count as free: the look-ahead takes what it can of them and gives the rest back."""
         limit = job.plan.lookahead_limit_bytes
         if limit <= 0 or id(job) in self._prefetched or not job.read_tickets:
             return False
         if not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
             return False
-        new = self._new_bytes(job)
+        new = self._new_bytes(job) - self.buffers.idle_bytes
         fits = self.device.fits(new, limit)
         trace = self.device.trace
         if trace is not None:  # why a look-ahead was or was not taken, on the trace's own track

@@ -56,15 +56,6 @@ class WeightBuffers:
         self.reused += 1
         return buffer, event
 
-    def idle_bytes_for(self, sizes: list[tuple[int, torch.dtype]]) -> int:
-        """Bytes of the idle buffers `take` would hand out for buffers of these (numel, dtype), each at most once."""
-        wanted = collections.Counter(self._key(numel, dtype) for numel, dtype in sizes)
-        total = 0
-        for key, count in wanted.items():
-            for buffer, _, _ in list(self._idle.get(key, ()))[:count]:
-                total += buffer.numel() * buffer.element_size()
-        return total
-
     def give(self, buffers: list[torch.Tensor], event) -> None:
         """Take back a finished task's buffers, free once the compute stream passes `event`; drop buffers idle
         too long or beyond the size limit (their memory goes back to the caching allocator)."""
