@@ -121,6 +121,20 @@ class BindPlan:
                 binding.slot_index)
 
 
+LOOK_AHEAD_PENDING_SHARE = 0.25  # of a prefetched task's parameter bytes, at most, still to upload for a look-ahead
+
+
+def _mostly_issued(params: TaskParams) -> bool:
+    """Whether at most `LOOK_AHEAD_PENDING_SHARE` of `params`' bytes are still to be uploaded: their copies will
+    queue behind a look-ahead's on the one stream ([Note: shared frozen weights]). A full fine-tune's next forward
+    stage, all of it being stepped, is not; a LoRA one whose frozen flats are shared is."""
+    def nbytes(flat: torch.Tensor) -> int:
+        return flat.numel() * flat.element_size()
+
+    pending = sum(nbytes(params.flats[b]) for b, _ in params.unissued)
+    return pending <= LOOK_AHEAD_PENDING_SHARE * sum(nbytes(flat) for flat in params.flats.values())
+
+
 class ParamResidency:
     """Which parameters one device holds: the layer copies, the uploads in flight and the task bound right now."""
 
@@ -187,12 +201,13 @@ class ParamResidency:
         one's (the next iteration's first forward stage after the last backward stage, the same layers) reads the
         flat that task uploaded instead of uploading it again: 4.1 GB a step on Qwen3-30B-A3B LoRA under a 24 GiB
         cap, where the last backward stage and the first forward stage both cover layers 0-3. That alone leaves the
-        PCIe idle (the second forward stage's prefetch waits until the first stage runs), so a task whose
-        parameters then cost little new memory lets the worker prefetch the task after it too (`prefetch`), while
-        the device's allocated memory stays under what the measured plan leaves a running task
-        (`PassPlan.lookahead_limit_bytes`). Shared only with the same window, read epoch and content generation:
-        a parameter the user changes in place counts its bucket's generation up at the next pass's launch
-        (`FrozenEdits`), and that pass uploads it afresh."""
+        PCIe idle (the second forward stage's prefetch waits until the first stage runs), so a prefetched task with
+        little left to upload (`_mostly_issued`: its uploads still to come would queue behind the look-ahead's)
+        lets the worker prefetch the task after it too (`prefetch`), while the device's allocated memory stays
+        under what the measured plan leaves a running task (`PassPlan.lookahead_limit_bytes`; the idle weight
+        buffers count as free, and what the look-ahead does not take of them goes back to the allocator). Shared
+        only with the same window, read epoch and content generation: a parameter the user changes in place counts
+        its bucket's generation up at the next pass's launch (`FrozenEdits`), and that pass uploads it afresh."""
         for holder in (self._running, *self._prefetched.values()):
             if holder is None or holder.contents.get(bucket_index) != content:
                 continue
@@ -317,7 +332,7 @@ class ParamResidency:
             params = self._allocate(job)
             self._issue(params)
             self._prefetched[id(job)] = params
-        if following is not None and self._may_look_ahead(following):
+        if following is not None and _mostly_issued(self._prefetched[id(job)]) and self._may_look_ahead(following):
             params = self._allocate(following)
             self.buffers.clear()  # what it did not take goes back to the allocator: `_may_look_ahead` counted it free
             self._issue(params)
