@@ -153,3 +153,15 @@ def test_a_flat_uploaded_before_a_frozen_edit_is_not_shared_after_it():
         assert not frozen.reads._open_reads
     finally:
         engine.close()
+
+
+def test_a_look_ahead_waits_while_the_prefetched_task_has_most_of_its_bytes_to_upload():
+    from accelerate_roundpipe.runtime.execution.residency import TaskParams, _mostly_issued
+
+    flats = {0: torch.empty(90), 1: torch.empty(10)}
+    stepped_small = TaskParams(flats, {}, [(0, 0), (1, 0)])
+    stepped_small.mark_issued([(0, 0)], [None])  # the frozen part is there; the small trainable one is stepped
+    assert _mostly_issued(stepped_small)
+    stepped_large = TaskParams(flats, {}, [(0, 0), (1, 0)])
+    stepped_large.mark_issued([(1, 0)], [None])  # a full fine-tune's stage: most of it still being stepped
+    assert not _mostly_issued(stepped_large)
