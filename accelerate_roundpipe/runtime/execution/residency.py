@@ -332,31 +332,35 @@ class ParamResidency:
             params = self._allocate(job)
             self._issue(params)
             self._prefetched[id(job)] = params
-        if following is not None and _mostly_issued(self._prefetched[id(job)]) and self._may_look_ahead(following):
+        if following is not None and self._may_look_ahead(following, behind=self._prefetched[id(job)]):
             params = self._allocate(following)
             self.buffers.clear()  # what it did not take goes back to the allocator: `_may_look_ahead` counted it free
             self._issue(params)
             self._prefetched[id(following)] = params
             self.looked_ahead += 1
 
-    def _may_look_ahead(self, job: TaskJob) -> bool:
-        """Whether `job`, behind a prefetched one, may have its parameters prefetched now: some of them written,
-        and the device's allocated memory with what they newly take under what the plan leaves a running task. The
-        idle weight buffers count as free: the look-ahead takes what it can of them and gives the rest back."""
+    def _may_look_ahead(self, job: TaskJob, behind: TaskParams) -> bool:
+        """Whether `job`, behind the prefetched `behind`, may have its parameters prefetched now: `behind` has
+        little left to upload (`_mostly_issued`), some of `job`'s are written, and the device's allocated memory
+        with what they newly take stays under what the plan leaves a running task. The idle weight buffers count
+        as free: the look-ahead takes what it can of them and gives the rest back."""
         limit = job.plan.lookahead_limit_bytes
-        if limit <= 0 or id(job) in self._prefetched or not job.read_tickets:
+        if id(job) in self._prefetched or not job.read_tickets:
             return False
-        if not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
-            return False
-        new = self._new_bytes(job) - self.buffers.idle_bytes
-        fits = self.device.fits(new, limit)
+        if not _mostly_issued(behind):
+            verdict, new = "the next task still uploading", 0
+        elif not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
+            verdict, new = "nothing written", 0
+        else:
+            new = self._new_bytes(job) - self.buffers.idle_bytes
+            verdict = "taken" if self.device.fits(new, limit) else "no limit" if limit <= 0 else "not taken"
         trace = self.device.trace
         if trace is not None:  # why a look-ahead was or was not taken, on the trace's own track
-            with trace.span(f"{self.device} look-ahead", f"{job.task}: {'taken' if fits else 'not taken'}",
+            with trace.span(f"{self.device} look-ahead", f"{job.task}: {verdict}",
                             allocated=self.device.allocated_bytes(), new=new, idle=self.buffers.idle_bytes,
                             limit=limit):
                 pass
-        return fits
+        return verdict == "taken"
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
