@@ -9,7 +9,8 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
 # disk-cap24-host, disk-8b, disk-8b-cap24 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
-# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b).
+# dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
+# look-ahead.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -29,6 +30,7 @@ WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" disk-cap24 disk-cap24-host disk-8b disk-8b-cap24"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
+WORKLOADS+=" look-ahead"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -323,6 +325,9 @@ run_ours() {
     run_ours buffer-reuse-moe; run_ours buffer-reuse-4b ;;
   buffer-reuse-moe)  # the MoE half of buffer-reuse (for `moe-cap24 buffer-reuse-moe anchors` in one call)
     ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --no-buffer-reuse ;;
+  look-ahead)  # [Note: shared frozen weights]: Llama-3.1-8B LoRA b8 under the cap, traced; every trace of the call's
+    # look-ahead decisions printed at its end (scripts/device/look_ahead_report.py)
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --trace-dir "$OUT/traces" ;;
   buffer-reuse-4b)  # the dense half: Qwen3-4B full fine-tune b8 under the cap, reused (the default) and not
     ours 130 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3
     ours 130 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --no-buffer-reuse ;;
