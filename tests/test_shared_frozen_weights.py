@@ -19,9 +19,9 @@ from accelerate_roundpipe.runtime.common import faults
 from accelerate_roundpipe.runtime.devices import factory
 from accelerate_roundpipe.runtime.devices.factory import make_device
 from accelerate_roundpipe.runtime.devices.stream_model import StreamModelDevice
-from accelerate_roundpipe.runtime.execution.residency import ParamResidency
+from accelerate_roundpipe.runtime.execution.residency import ParamResidency, TaskParams
 
-WIDTH = 6
+WIDTH = 16
 
 
 class Adapted(nn.Module):
@@ -31,11 +31,12 @@ class Adapted(nn.Module):
         super().__init__()
         self.base = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
         self.base.requires_grad_(False)
-        self.adapter = nn.Linear(WIDTH, WIDTH, bias=False, dtype=torch.float64)
-        nn.init.normal_(self.adapter.weight, std=0.1)
+        self.down = nn.Linear(WIDTH, 1, bias=False, dtype=torch.float64)
+        self.up = nn.Linear(1, WIDTH, bias=False, dtype=torch.float64)
+        nn.init.normal_(self.up.weight, std=0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(x) + self.adapter(x))
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
 
 
 def _layers() -> nn.Sequential:
@@ -56,13 +57,17 @@ def _slow_tasks(name: str) -> None:
         time.sleep(0.02)
 
 
-def _train(look_ahead: bool, steps: int = 4):
+def _train(look_ahead: str | None, steps: int = 4):
     plain = _layers()
     model = copy.deepcopy(plain)
     engine = RoundPipe(model, RoundPipeConfig(devices=["cpu"], num_microbatches=2, forward_stages=[2, 2],
                                               backward_stages=[2, 2, 2], summary=False))
     if look_ahead:  # what a measured plan leaves a running task on a GPU; CPU workers count no memory
         engine._launch.plan.lookahead_limit_bytes = 1 << 40
+    if look_ahead == "part":  # room for one frozen bucket: the rest of the task's flats come when it is taken
+        one = max(b.compute.numel() * b.compute.element_size() for b in engine._store.buckets if not b.trainable)
+        real_room = ParamResidency._look_ahead_room
+        ParamResidency._look_ahead_room = lambda self, job, behind: min(real_room(self, job, behind), one)
     plain_opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
     optimizer = engine.wrap_optimizer(torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad],
                                                         lr=1e-2))
@@ -81,21 +86,24 @@ def _train(look_ahead: bool, steps: int = 4):
                 optimizer.zero_grad()
         engine.synchronize()
         residency = engine._dispatch.workers[0].residency
-        counts = residency.shared, residency.looked_ahead
+        counts = residency.shared, residency.looked_ahead, residency.allocated_late
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         engine.close()
+        if look_ahead == "part":
+            ParamResidency._look_ahead_room = real_room
     return losses, plain_losses, weights, dict(plain.named_parameters()), counts
 
 
-@pytest.mark.parametrize("look_ahead", [False, True], ids=["next task", "two ahead"])
+@pytest.mark.parametrize("look_ahead", [None, "whole", "part"], ids=["next task", "two ahead", "two ahead, part"])
 @pytest.mark.parametrize("device", ["cpu", "stream model"])
 def test_shared_frozen_flats_train_as_plain_torch(look_ahead, device, monkeypatch):
     if device == "stream model":
         monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
-    losses, plain_losses, weights, plain_weights, (shared, looked_ahead) = _train(look_ahead)
+    losses, plain_losses, weights, plain_weights, (shared, looked_ahead, late) = _train(look_ahead)
     assert shared > 0  # the first forward stage of each later pass took the last backward stage's frozen flats
-    assert (looked_ahead > 0) == look_ahead
+    assert (looked_ahead > 0) == bool(look_ahead)
+    assert (late > 0) == (look_ahead == "part")  # the flats a partial look-ahead left out, given at the take
     for step, (loss, plain) in enumerate(zip(losses, plain_losses, strict=True)):
         torch.testing.assert_close(loss, plain, rtol=1e-12, atol=0, msg=f"loss of step {step}")
     for name, weight in weights.items():
@@ -156,12 +164,20 @@ def test_a_flat_uploaded_before_a_frozen_edit_is_not_shared_after_it():
 
 
 def test_a_look_ahead_waits_while_the_prefetched_task_has_most_of_its_bytes_to_upload():
-    from accelerate_roundpipe.runtime.execution.residency import TaskParams, _mostly_issued
-
-    flats = {0: torch.empty(90), 1: torch.empty(10)}
-    stepped_small = TaskParams(flats, {}, [(0, 0), (1, 0)])
-    stepped_small.mark_issued([(0, 0)], [None])  # the frozen part is there; the small trainable one is stepped
-    assert _mostly_issued(stepped_small)
-    stepped_large = TaskParams(flats, {}, [(0, 0), (1, 0)])
-    stepped_large.mark_issued([(1, 0)], [None])  # a full fine-tune's stage: most of it still being stepped
-    assert not _mostly_issued(stepped_large)
+    engine = RoundPipe(_layers(), RoundPipeConfig(devices=["cpu"], num_microbatches=2, summary=False))
+    try:
+        store = engine._store
+        residency = ParamResidency(make_device(engine.devices[0].device, 0), store, engine._failure)
+        frozen = next(b for b in store.buckets if not b.trainable)
+        trainable = next(b for b in store.trainable_buckets if set(b.layers) == set(frozen.layers))
+        assert trainable.compute.numel() <= frozen.compute.numel() / 3  # the adapter is the smaller part
+        windows = {b.index: (0, b.compute.numel()) for b in (frozen, trainable)}
+        tickets = [(frozen.index, 0), (trainable.index, 0)]
+        adapter_stepped = TaskParams({}, windows, tickets)
+        adapter_stepped.mark_issued([(frozen.index, 0)], [None])  # the frozen part is there, the adapter stepped
+        assert residency._mostly_issued(adapter_stepped)
+        base_stepped = TaskParams({}, windows, tickets)
+        base_stepped.mark_issued([(trainable.index, 0)], [None])  # most of its bytes still to come
+        assert not residency._mostly_issued(base_stepped)
+    finally:
+        engine.close()

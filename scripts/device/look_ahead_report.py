@@ -26,7 +26,7 @@ def main() -> None:
     counts = collections.Counter(e["name"].rsplit(": ", 1)[-1] for e in decisions)
     print(f"{args.trace}: {len(decisions)} look-ahead decisions, {dict(counts)}")
     for e in decisions[:args.limit]:
-        gib = {k: round(v / 2**30, 2) for k, v in e.get("args", {}).items() if isinstance(v, (int, float))}
+        gib = {k: round(float(v) / 2**30, 2) for k, v in e.get("args", {}).items()}  # the trace keeps them as text
         print(f"  {e['name']}  {gib}")
 
 

@@ -319,11 +319,6 @@ class Device(abc.ABC):
             return NO_SPAN
         return self.kernel_span(self.compute_stream, "weights wait", f"L{layer_index}")
 
-    def fits(self, nbytes: int, limit_bytes: int) -> bool:
-        """Whether `nbytes` more keep this device's allocated memory under `limit_bytes` (a device that counts no
-        memory: whenever `limit_bytes` is set)."""
-        return limit_bytes > 0 and self._fits(nbytes, limit_bytes)
-
     def can_keep(self, tensors: tuple, limit_bytes: int) -> bool:
         """Whether `tensors` may stay on this device (instead of a host round trip) without the device's allocated
         memory passing `limit_bytes`."""

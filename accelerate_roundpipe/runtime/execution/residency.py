@@ -9,6 +9,7 @@ while the current task computes (`prefetch`), once the current task's own upload
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -42,7 +43,7 @@ class TaskParams:
     """
 
     __slots__ = ("flats", "windows", "events", "pending", "tickets", "unissued", "last_event", "grads", "grad_uses",
-                 "newest", "profile", "reused_after", "contents")
+                 "newest", "profile", "reused_after", "contents", "unallocated")
 
     def __init__(self, flats: dict[int, torch.Tensor], windows: dict[int, tuple[int, int]],
                  tickets: list[tuple[int, int]], newest: bool = False, profile=None) -> None:
@@ -63,6 +64,9 @@ class TaskParams:
         # frozen bucket -> (window, read epoch, content generation) of what its flat holds once uploaded: a later
         # task asking for the same may share the flat ([Note: shared frozen weights])
         self.contents: dict[int, tuple] = {}
+        # buckets of a partial look-ahead not given a flat yet, in ticket order: allocated when the task is taken
+        # ([Note: shared frozen weights])
+        self.unallocated: list[int] = []
 
     def used_slots(self, bucket_index: int) -> frozenset[int]:
         """The slots of `bucket_index` whose gradient the task's backward accumulated into, so far: a preset `.grad`
@@ -124,17 +128,6 @@ class BindPlan:
 LOOK_AHEAD_PENDING_SHARE = 0.25  # of a prefetched task's parameter bytes, at most, still to upload for a look-ahead
 
 
-def _mostly_issued(params: TaskParams) -> bool:
-    """Whether at most `LOOK_AHEAD_PENDING_SHARE` of `params`' bytes are still to be uploaded: their copies will
-    queue behind a look-ahead's on the one stream ([Note: shared frozen weights]). A full fine-tune's next forward
-    stage, all of it being stepped, is not; a LoRA one whose frozen flats are shared is."""
-    def nbytes(flat: torch.Tensor) -> int:
-        return flat.numel() * flat.element_size()
-
-    pending = sum(nbytes(params.flats[b]) for b, _ in params.unissued)
-    return pending <= LOOK_AHEAD_PENDING_SHARE * sum(nbytes(flat) for flat in params.flats.values())
-
-
 class ParamResidency:
     """Which parameters one device holds: the layer copies, the uploads in flight and the task bound right now."""
 
@@ -152,6 +145,7 @@ class ParamResidency:
         self._running: TaskParams | None = None  # the parameters of the task the worker runs now
         self.shared = 0  # bucket flats a task took from another ([Note: shared frozen weights]; tests read it)
         self.looked_ahead = 0  # tasks prefetched while another prefetched one waited to run (tests read it)
+        self.allocated_late = 0  # buckets a partial look-ahead left for the task's take (tests read it)
 
     def copy(self, layer_index: int) -> LayerCopy:
         copy = self.copies.get(layer_index)
@@ -161,23 +155,26 @@ class ParamResidency:
             self.copies[layer_index] = copy
         return copy
 
-    def _allocate(self, job: TaskJob) -> TaskParams:
+    def _allocate(self, job: TaskJob, room_bytes: float = math.inf) -> TaskParams:
+        """`job`'s parameter flats: shared with a live task where it holds the same frozen content, else an idle
+        buffer or new memory. With `room_bytes` (a look-ahead), the buckets in ticket order while they fit in it;
+        the rest wait for `take` (`unallocated`)."""
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
         contents = self._contents(job, windows)
         shared = {b: got for b, content in contents.items() if (got := self._shared(b, content))}
         hosts = {b: self.store.buckets[b].compute[slice(*windows[b])] for b in indices if b not in shared}
-        reused = {b: got for b, host in hosts.items() if (got := self.buffers.take(host.numel(), host.dtype))}
-        fresh = [b for b in hosts if b not in reused]
-        flats = dict(zip(fresh, self.device.empty_params([hosts[b] for b in fresh])))
-        for b, (buffer, _) in reused.items():
-            flats[b] = buffer if buffer.shape == hosts[b].shape else buffer.view(hosts[b].shape)
-        for b, (flat, _) in shared.items():
-            flats[b] = flat
-        params = TaskParams({b: flats[b] for b in indices}, windows, job.read_tickets,
+        placed = []
+        for b, host in hosts.items():  # a reused buffer takes room too: the look-ahead counted idle ones free
+            room_bytes -= host.numel() * host.element_size()
+            if room_bytes < 0:
+                break
+            placed.append(b)
+        params = TaskParams({b: flat for b, (flat, _) in shared.items()}, windows, job.read_tickets,
                             newest=job.plan.reads_newest, profile=job.results.profile)
-        params.reused_after = {b: event for b, (_, event) in reused.items()}
         params.contents = contents
+        params.unallocated = [b for b in hosts if b not in placed]
+        self._give_flats(params, {b: hosts[b] for b in placed})
         if shared:
             tickets = [(b, epoch) for b, epoch in job.read_tickets if b in shared]
             for b, epoch in tickets:  # written long ago (frozen): begins at once, ends as the holder's copy lands
@@ -185,6 +182,24 @@ class ParamResidency:
             params.mark_issued(tickets, [shared[b][1] for b, _ in tickets])
             self.shared += len(tickets)
         return params
+
+    def _give_flats(self, params: TaskParams, hosts: dict[int, torch.Tensor]) -> None:
+        """Flats for the buckets of `hosts` (their host windows): idle buffers of the same size where there are,
+        new memory for the rest."""
+        reused = {b: got for b, host in hosts.items() if (got := self.buffers.take(host.numel(), host.dtype))}
+        fresh = [b for b in hosts if b not in reused]
+        params.flats.update(zip(fresh, self.device.empty_params([hosts[b] for b in fresh])))
+        for b, (buffer, event) in reused.items():
+            params.flats[b] = buffer if buffer.shape == hosts[b].shape else buffer.view(hosts[b].shape)
+            params.reused_after[b] = event
+
+    def _complete(self, params: TaskParams) -> None:
+        """Flats for the buckets a partial look-ahead left out (the task is being taken)."""
+        if params.unallocated:
+            self.allocated_late += len(params.unallocated)
+            hosts = {b: self.store.buckets[b].compute[slice(*params.windows[b])] for b in params.unallocated}
+            params.unallocated = []
+            self._give_flats(params, hosts)
 
     def _contents(self, job: TaskJob, windows: dict[int, tuple[int, int]]) -> dict[int, tuple]:
         """What each frozen bucket's flat of `job` will hold: (window, read epoch, content generation)."""
@@ -242,9 +257,10 @@ class ParamResidency:
         before). Each layer waits for its own buckets' copy events (`await_layer`), so the issue order is free."""
         buckets = self.store.buckets
         while params.unissued:
-            batch = [(b, epoch) for b, epoch in params.unissued if buckets[b].reads.version >= epoch]
+            batch = [(b, epoch) for b, epoch in params.unissued
+                     if buckets[b].reads.version >= epoch and b not in params.unallocated]
             if not batch:
-                waiting = [(b, epoch) for b, epoch in params.unissued if b in need]
+                waiting = [(b, epoch) for b, epoch in params.unissued if b in need and b not in params.unallocated]
                 if not waiting:
                     return
                 batch = waiting[:1]  # not written yet: its read waits for the optimizer's write
@@ -302,6 +318,7 @@ class ParamResidency:
         if self._deferred is job:
             self._deferred = self._deferred_following = None
         params = self._prefetched.pop(id(job), None) or self._allocate(job)
+        self._complete(params)
         self._issue(params)
         self._running = params
         return params
@@ -332,35 +349,53 @@ class ParamResidency:
             params = self._allocate(job)
             self._issue(params)
             self._prefetched[id(job)] = params
-        if following is not None and self._may_look_ahead(following, behind=self._prefetched[id(job)]):
-            params = self._allocate(following)
-            self.buffers.clear()  # what it did not take goes back to the allocator: `_may_look_ahead` counted it free
+        room = self._look_ahead_room(following, behind=self._prefetched[id(job)]) if following is not None else 0
+        if room > 0:
+            params = self._allocate(following, room)
+            self.buffers.clear()  # what it did not take goes back to the allocator: the room counted it free
             self._issue(params)
             self._prefetched[id(following)] = params
             self.looked_ahead += 1
 
-    def _may_look_ahead(self, job: TaskJob, behind: TaskParams) -> bool:
-        """Whether `job`, behind the prefetched `behind`, may have its parameters prefetched now: `behind` has
-        little left to upload (`_mostly_issued`), some of `job`'s are written, and the device's allocated memory
-        with what they newly take stays under what the plan leaves a running task. The idle weight buffers count
-        as free: the look-ahead takes what it can of them and gives the rest back."""
+    def _look_ahead_room(self, job: TaskJob, behind: TaskParams) -> float:
+        """Bytes of device memory `job`, behind the prefetched `behind`, may take now for its parameters (0: not
+        now): `behind` has little left to upload (`_mostly_issued`), some of `job`'s are written, and the device's
+        allocated memory stays under what the plan leaves a running task, the idle weight buffers counted free (the
+        look-ahead takes what it can of them and gives the rest back). When not all of `job`'s new bytes fit, its
+        first buckets in ticket order do: a partial look-ahead, completed when it is taken."""
         limit = job.plan.lookahead_limit_bytes
         if id(job) in self._prefetched or not job.read_tickets:
-            return False
-        if not _mostly_issued(behind):
-            verdict, new = "the next task still uploading", 0
+            return 0
+        new, room = self._new_bytes(job), 0
+        if limit <= 0:
+            verdict = "no limit"
+        elif not self._mostly_issued(behind):
+            verdict = "the next task still uploading"
         elif not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
-            verdict, new = "nothing written", 0
+            verdict = "nothing written"
         else:
-            new = self._new_bytes(job) - self.buffers.idle_bytes
-            verdict = "taken" if self.device.fits(new, limit) else "no limit" if limit <= 0 else "not taken"
+            room = limit - self.device.allocated_bytes() + self.buffers.idle_bytes \
+                if self.device.tracks_memory else math.inf
+            room = max(0, room)
+            verdict = "taken" if room >= new else "partly taken" if room > 0 else "not taken"
         trace = self.device.trace
         if trace is not None:  # why a look-ahead was or was not taken, on the trace's own track
             with trace.span(f"{self.device} look-ahead", f"{job.task}: {verdict}",
                             allocated=self.device.allocated_bytes(), new=new, idle=self.buffers.idle_bytes,
-                            limit=limit):
+                            limit=limit, room=room if room != math.inf else -1):
                 pass
-        return verdict == "taken"
+        return room
+
+    def _mostly_issued(self, params: TaskParams) -> bool:
+        """Whether at most `LOOK_AHEAD_PENDING_SHARE` of `params`' bytes are still to be uploaded: their copies
+        will queue behind a look-ahead's on the one stream ([Note: shared frozen weights]). A full fine-tune's next
+        forward stage, all of it being stepped, is not; a LoRA one whose frozen flats are shared is."""
+        def nbytes(b: int) -> int:
+            start, stop = params.windows[b]
+            return (stop - start) * self.store.buckets[b].compute.element_size()
+
+        pending = sum(nbytes(b) for b, _ in params.unissued)
+        return pending <= LOOK_AHEAD_PENDING_SHARE * sum(nbytes(b) for b in params.windows)
 
     def bind(self, job: TaskJob, params: TaskParams, with_grad: bool) -> None:
         """Bind `params` into the layer copies of `job`'s span (once per task), with gradient buffers if asked."""
