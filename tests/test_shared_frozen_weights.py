@@ -57,7 +57,7 @@ def _slow_tasks(name: str) -> None:
         time.sleep(0.02)
 
 
-def _train(look_ahead: str | None, steps: int = 4):
+def _train(look_ahead: str | None, monkeypatch, steps: int = 4):
     plain = _layers()
     model = copy.deepcopy(plain)
     engine = RoundPipe(model, RoundPipeConfig(devices=["cpu"], num_microbatches=2, forward_stages=[2, 2],
@@ -67,7 +67,8 @@ def _train(look_ahead: str | None, steps: int = 4):
     if look_ahead == "part":  # room for one frozen bucket: the rest of the task's flats come when it is taken
         one = max(b.compute.numel() * b.compute.element_size() for b in engine._store.buckets if not b.trainable)
         real_room = ParamResidency._look_ahead_room
-        ParamResidency._look_ahead_room = lambda self, job, behind: min(real_room(self, job, behind), one)
+        monkeypatch.setattr(ParamResidency, "_look_ahead_room",
+                            lambda self, job, behind: min(real_room(self, job, behind), one))
     plain_opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
     optimizer = engine.wrap_optimizer(torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad],
                                                         lr=1e-2))
@@ -90,8 +91,6 @@ def _train(look_ahead: str | None, steps: int = 4):
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         engine.close()
-        if look_ahead == "part":
-            ParamResidency._look_ahead_room = real_room
     return losses, plain_losses, weights, dict(plain.named_parameters()), counts
 
 
@@ -100,7 +99,7 @@ def _train(look_ahead: str | None, steps: int = 4):
 def test_shared_frozen_flats_train_as_plain_torch(look_ahead, device, monkeypatch):
     if device == "stream model":
         monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
-    losses, plain_losses, weights, plain_weights, (shared, looked_ahead, late) = _train(look_ahead)
+    losses, plain_losses, weights, plain_weights, (shared, looked_ahead, late) = _train(look_ahead, monkeypatch)
     assert shared > 0  # the first forward stage of each later pass took the last backward stage's frozen flats
     assert (looked_ahead > 0) == bool(look_ahead)
     assert (late > 0) == (look_ahead == "part")  # the flats a partial look-ahead left out, given at the take
@@ -135,49 +134,49 @@ def _job(store, layers: range, tickets):
                            results=SimpleNamespace(profile=None))
 
 
-def test_a_flat_uploaded_before_a_frozen_edit_is_not_shared_after_it():
+@pytest.fixture
+def residency():
+    """A residency on a CPU worker of an engine over `_layers()` (the engine not started)."""
     engine = RoundPipe(_layers(), RoundPipeConfig(devices=["cpu"], num_microbatches=2, summary=False))
     try:
-        store = engine._store
-        residency = ParamResidency(make_device(engine.devices[0].device, 0), store, engine._failure)
-        frozen = next(b for b in store.buckets if not b.trainable)
-        layers = range(min(frozen.layers), max(frozen.layers) + 1)
-
-        def job():
-            return _job(store, layers, [(frozen.index, frozen.reads.reserve_read())])
-
-        running = residency.take(job())
-        same = residency._allocate(job())
-        assert residency.shared == 1 and same.flats[frozen.index].data_ptr() == \
-            running.flats[frozen.index].data_ptr() and same.unissued == []
-        frozen.content_generation += 1  # what `FrozenEdits.follow` does at a pass's launch after an edit
-        after_edit = residency._allocate(job())
-        assert residency.shared == 1 and after_edit.flats[frozen.index].data_ptr() != \
-            running.flats[frozen.index].data_ptr()
-        residency._issue(after_edit)
-        assert torch.equal(after_edit.flats[frozen.index], frozen.compute)
-        for params in (running, same, after_edit):
-            residency.release(params)
-        assert not frozen.reads._open_reads
+        yield ParamResidency(make_device(engine.devices[0].device, 0), engine._store, engine._failure)
     finally:
         engine.close()
 
 
-def test_a_look_ahead_waits_while_the_prefetched_task_has_most_of_its_bytes_to_upload():
-    engine = RoundPipe(_layers(), RoundPipeConfig(devices=["cpu"], num_microbatches=2, summary=False))
-    try:
-        store = engine._store
-        residency = ParamResidency(make_device(engine.devices[0].device, 0), store, engine._failure)
-        frozen = next(b for b in store.buckets if not b.trainable)
-        trainable = next(b for b in store.trainable_buckets if set(b.layers) == set(frozen.layers))
-        assert trainable.compute.numel() <= frozen.compute.numel() / 3  # the adapter is the smaller part
-        windows = {b.index: (0, b.compute.numel()) for b in (frozen, trainable)}
-        tickets = [(frozen.index, 0), (trainable.index, 0)]
-        adapter_stepped = TaskParams({}, windows, tickets)
-        adapter_stepped.mark_issued([(frozen.index, 0)], [None])  # the frozen part is there, the adapter stepped
-        assert residency._mostly_issued(adapter_stepped)
-        base_stepped = TaskParams({}, windows, tickets)
-        base_stepped.mark_issued([(trainable.index, 0)], [None])  # most of its bytes still to come
-        assert not residency._mostly_issued(base_stepped)
-    finally:
-        engine.close()
+def test_a_flat_uploaded_before_a_frozen_edit_is_not_shared_after_it(residency):
+    store = residency.store
+    frozen = next(b for b in store.buckets if not b.trainable)
+    layers = range(min(frozen.layers), max(frozen.layers) + 1)
+
+    def job():
+        return _job(store, layers, [(frozen.index, frozen.reads.reserve_read())])
+
+    running = residency.take(job())
+    same = residency._allocate(job())
+    assert residency.shared == 1 and same.flats[frozen.index].data_ptr() == \
+        running.flats[frozen.index].data_ptr() and same.unissued == []
+    frozen.content_changed()  # what `FrozenEdits.follow` does at a pass's launch after an edit
+    after_edit = residency._allocate(job())
+    assert residency.shared == 1 and after_edit.flats[frozen.index].data_ptr() != \
+        running.flats[frozen.index].data_ptr()
+    residency._issue(after_edit)
+    assert torch.equal(after_edit.flats[frozen.index], frozen.compute)
+    for params in (running, same, after_edit):
+        residency.release(params)
+    assert not frozen.reads._open_reads
+
+
+def test_a_look_ahead_waits_while_the_prefetched_task_has_most_of_its_bytes_to_upload(residency):
+    store = residency.store
+    frozen = next(b for b in store.buckets if not b.trainable)
+    trainable = next(b for b in store.trainable_buckets if set(b.layers) == set(frozen.layers))
+    assert trainable.compute.numel() <= frozen.compute.numel() / 3  # the adapter is the smaller part
+    windows = {b.index: (0, b.compute.numel()) for b in (frozen, trainable)}
+    tickets = [(frozen.index, 0), (trainable.index, 0)]
+    adapter_stepped = TaskParams({}, windows, tickets)
+    adapter_stepped.mark_issued([(frozen.index, 0)], [None])  # the frozen part is there, the adapter stepped
+    assert residency._mostly_issued(adapter_stepped)
+    base_stepped = TaskParams({}, windows, tickets)
+    base_stepped.mark_issued([(trainable.index, 0)], [None])  # most of its bytes still to come
+    assert not residency._mostly_issued(base_stepped)

@@ -162,7 +162,12 @@ class ParamResidency:
         indices = [b for b, _ in job.read_tickets]
         windows = {b: self.store.window(job.task.span.layers, b) for b in indices}
         contents = self._contents(job, windows)
-        shared = {b: got for b, content in contents.items() if (got := self._shared(b, content))}
+        shared = {}
+        for b, content in contents.items():
+            got = self._shared(b, content)
+            if got is not None:  # a view of its own, so the holder's end sees the memory still in use and keeps
+                flat, event = got  # it out of `buffers` until this task ends too ([Note: weight buffers reused])
+                shared[b] = (flat.view(flat.shape), event)
         hosts = {b: self.store.buckets[b].compute[slice(*windows[b])] for b in indices if b not in shared}
         placed = []
         for b, host in hosts.items():  # a reused buffer takes room too: the look-ahead counted idle ones free
@@ -227,10 +232,7 @@ class ParamResidency:
             if holder is None or holder.contents.get(bucket_index) != content:
                 continue
             if bucket_index in holder.flats and bucket_index in holder.events:
-                # A view of its own, so the holder's end sees the memory still in use and keeps it out of
-                # `buffers` until this task ends too ([Note: weight buffers reused]).
-                flat = holder.flats[bucket_index]
-                return flat.view(flat.shape), holder.events[bucket_index]
+                return holder.flats[bucket_index], holder.events[bucket_index]
         return None
 
     def _new_bytes(self, job: TaskJob) -> int:
@@ -366,7 +368,7 @@ class ParamResidency:
         limit = job.plan.lookahead_limit_bytes
         if id(job) in self._prefetched or not job.read_tickets:
             return 0
-        new, room = self._new_bytes(job), 0
+        new, room = 0, 0
         if limit <= 0:
             verdict = "no limit"
         elif not self._mostly_issued(behind):
@@ -374,6 +376,7 @@ class ParamResidency:
         elif not any(self.store.buckets[b].reads.version >= epoch for b, epoch in job.read_tickets):
             verdict = "nothing written"
         else:
+            new = self._new_bytes(job)
             room = limit - self.device.allocated_bytes() + self.buffers.idle_bytes \
                 if self.device.tracks_memory else math.inf
             room = max(0, room)

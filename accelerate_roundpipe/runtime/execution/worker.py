@@ -185,8 +185,9 @@ class Worker:
     def _params(self, job: TaskJob, with_grad: bool) -> TaskParams:
         """The task's parameters on the device, bound into the layer copies of its span (once per task)."""
         params = self.residency.take(job)
-        following = self._peek_job(1) if self._peek_job() is not None else None
-        self.residency.prefetch(self._peek_job(), params, following)  # overlaps this task's compute
+        upcoming = self._peek_job()
+        following = self._peek_job(1) if upcoming is not None else None
+        self.residency.prefetch(upcoming, params, following)  # overlaps this task's compute
         self.residency.bind(job, params, with_grad)
         return params
 

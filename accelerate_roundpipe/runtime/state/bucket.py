@@ -74,9 +74,9 @@ class Bucket:
     # `grad`'s version counter when `grad_sq` and `written` were last true of it: a write by anyone else (the user's
     # `p.grad.mul_`, `clip_grad_value_`) shows as another version ([Note: parameters without a gradient]).
     grad_version: int = field(default=-1, repr=False)
-    # A frozen bucket's compute copy as the user last changed it: counted up by the caller's thread at a pass's
-    # launch when one of its parameters was changed in place, so a device copy of an older count is not shared
-    # with a later task ([Note: shared frozen weights]).
+    # A frozen bucket's compute copy as the user last changed it: counted up (`content_changed`, by the caller's
+    # thread at a pass's launch) when one of its parameters was changed in place, so a device copy of an older
+    # count is not shared with a later task ([Note: shared frozen weights]); read by the workers.
     content_generation: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +101,10 @@ class Bucket:
 
     def current(self, newest: bool = False) -> torch.Tensor:
         return self.versions.current(newest)
+
+    def content_changed(self) -> None:
+        """The user changed a parameter of this frozen bucket in place ([Note: shared frozen weights])."""
+        self.content_generation += 1
 
     @property
     def home(self) -> torch.device | None:

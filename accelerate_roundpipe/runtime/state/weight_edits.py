@@ -37,11 +37,12 @@ from .host_store import HostStore
 
 
 class WeightEdits:
-    """The recorded version of every trainable parameter of a store; see [Note: weight edits followed]. Owned by
-    the engine's caller thread."""
+    """The recorded version of every parameter of `buckets` (the store's trainable ones unless given); see
+    [Note: weight edits followed]. Owned by the engine's caller thread."""
 
-    def __init__(self, store: HostStore) -> None:
-        self._slots = [(bucket, index, slot.param) for bucket in store.trainable_buckets
+    def __init__(self, store: HostStore, buckets: list[Bucket] | None = None) -> None:
+        self._slots = [(bucket, index, slot.param)
+                       for bucket in (store.trainable_buckets if buckets is None else buckets)
                        for index, slot in enumerate(bucket.slots)]
         self._versions: list[int] = []
         self.followed = 0  # how many looks took in an edit
@@ -66,25 +67,21 @@ class WeightEdits:
 
 
 class FrozenEdits:
-    """The recorded version of every frozen parameter of a store. Frozen weights are never written by the engine,
-    so an in-place change by the user needs nothing but a new `Bucket.content_generation`: a device copy uploaded
-    before it is then not shared with a task after it ([Note: shared frozen weights]). Owned by the engine's caller
-    thread."""
+    """The frozen parameters' versions (`WeightEdits` over the frozen buckets). Frozen weights are never written by
+    the engine, so an in-place change by the user needs nothing but a new `Bucket.content_generation`: a device copy
+    uploaded before it is then not shared with a task after it ([Note: shared frozen weights]). Owned by the
+    engine's caller thread."""
 
     def __init__(self, store: HostStore) -> None:
-        self._slots = [(bucket, slot.param) for bucket in store.buckets if not bucket.trainable
-                       for slot in bucket.slots]
-        self._versions = [param._version for _, param in self._slots]
+        self._edits = WeightEdits(store, [bucket for bucket in store.buckets if not bucket.trainable])
 
     def follow(self) -> None:
         """Count up the content generation of every frozen bucket one of whose parameters changed since last."""
-        changed = {}
-        for i, (bucket, param) in enumerate(self._slots):
-            if param._version != self._versions[i]:
-                self._versions[i] = param._version
-                changed[bucket.index] = bucket
-        for bucket in changed.values():
-            bucket.content_generation += 1
+        edits = self._edits.edited()
+        if edits:
+            for bucket, _ in edits.values():
+                bucket.content_changed()
+            self._edits.record()
 
 
 def kept_values(edits: dict[int, tuple[Bucket, list[int]]]) -> dict[tuple[int, int], torch.Tensor]:
