@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate_roundpipe import RoundPipeConfig  # noqa: E402
 from benchmarks.commit import git_commit  # noqa: E402
 from benchmarks.flops import PEAK_TFLOPS, mfu, workload_flops_per_token  # noqa: E402
+from benchmarks.host_ballast import host_ballast  # noqa: E402
 from benchmarks.host_buffers import torch_pinned_cache  # noqa: E402
 from benchmarks.memory import host_peak_gib, is_oom, memory_cap  # noqa: E402
 from benchmarks.models import build_model, make_batch  # noqa: E402
@@ -192,6 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-buffer-reuse", action="store_true", help="every task's parameter buffers back to "
                         "torch's caching allocator at its end, as before [Note: weight buffers reused], to measure "
                         "the two beside each other")
+    parser.add_argument("--host-available-gib", type=float, default=None, help="emulate a smaller host: a child "
+                        "process holds memory so that about this many GiB stay available (benchmarks/host_ballast.py; "
+                        "the disk tier's runs, whose swap files the page cache would otherwise hold)")
     parser.add_argument("--trace-dir", default=None, help="write a timeline trace per run here (then "
                         "`python -m accelerate_roundpipe.telemetry.report TRACE` gives the measured bubble)")
     parser.add_argument("--budget", type=float, default=None, help="gpu_memory_budget in GiB (default: the cap)")
@@ -273,9 +277,13 @@ def main(argv: list[str] | None = None) -> None:
                 from accelerate_roundpipe.runtime.execution import weight_buffers
 
                 weight_buffers.IDLE_TASKS = 0  # no buffer outlives the task end that gives it back
-            record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
-                             args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
-                             args.max_grad_norm, args.disk_probe)
+            with host_ballast(args.host_available_gib) as ballast:
+                record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
+                                 args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
+                                 args.max_grad_norm, args.disk_probe)
+            if args.host_available_gib is not None:  # the host emulated: what the run saw, and what was held
+                record["settings"].update(host_available_gib=args.host_available_gib,
+                                          host_ballast_gib=round(ballast / 2**30, 2))
             variant = [name for flag, name in ((args.peft_lora_adds, "peft-lora-adds"),
                                                (args.peft_merged_experts, "peft-merged-experts"),
                                                (args.whole_bucket_uploads, "whole-bucket-uploads"),
