@@ -27,6 +27,7 @@ from ..execution.first_pass import FirstPassSizer
 from ..execution.layer_buffers import LayerBuffers
 from ..execution.measured_plan import MeasuredPlan
 from ..execution.microbatches import MicrobatchPolicy
+from ..execution.saved_input_room import SavedInputRoom
 from ..state.host_store import HostStore
 from ..state.torn import TornGuard
 from .engine_checkpoint import PassCounts
@@ -103,8 +104,11 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
 
     adapters = AdapterSwitches(list(pipeline), is_trainable)  # [Note: adapter switches]
     buffers = LayerBuffers(list(pipeline))  # [Note: layer buffers followed]
+    # [Note: saved inputs in host memory]: a pass's saved inputs against the host's available memory
+    saved_room = SavedInputRoom(getattr(module, "config", None), sizer.element_size,
+                                on_host=not any(d.is_cuda for d in devices))
     launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes,
-                          buffers)
+                          buffers, saved_room)
     return EngineParts(devices, exchange, store, failure, passes, trace, plan, microbatches, dispatch, deferred,
                        threads, torn, launch)
 

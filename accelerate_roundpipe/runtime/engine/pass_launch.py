@@ -16,6 +16,7 @@ from ..execution.dispatch import Dispatcher
 from ..execution.jobs import PassPlan, PassResults, SavedInputs
 from ..execution.layer_buffers import LayerBuffers
 from ..execution.measured_plan import MeasuredPlan
+from ..execution.saved_input_room import SavedInputRoom
 from ..state.host_store import HostStore
 from .engine_checkpoint import PassCounts
 from .engine_threads import EngineThreads
@@ -26,10 +27,11 @@ class PassLauncher:
 
     def __init__(self, config: RoundPipeConfig, store: HostStore, failure: FailureFlag, partition: Partition,
                  plan: MeasuredPlan, dispatch: Dispatcher, deferred: DeferredPasses, threads: EngineThreads,
-                 adapters: AdapterSwitches, passes: PassCounts, buffers: LayerBuffers) -> None:
+                 adapters: AdapterSwitches, passes: PassCounts, buffers: LayerBuffers,
+                 saved_room: SavedInputRoom | None = None) -> None:
         self.config, self.store, self.failure, self.partition = config, store, failure, partition
         self.plan, self.dispatch, self.deferred, self.threads = plan, dispatch, deferred, threads
-        self.adapters, self.passes, self.buffers = adapters, passes, buffers
+        self.adapters, self.passes, self.buffers, self.saved_room = adapters, passes, buffers, saved_room
 
     def schedule(self, num_mb: int, mode: Mode) -> list[Task]:
         return self.dispatch.schedule(self.partition, num_mb, mode)
@@ -77,8 +79,9 @@ class PassLauncher:
                       loss_weights: list[float], deferred: DeferredCommit | None,
                       num_layers: int) -> tuple[PassPlan, PassResults]:
         """The plan and the results store of the next `forward_backward` pass."""
-        plan = PassPlan(self.passes.new_pass_index(), Mode.TRAIN, training, tuple(mb_rows),
-                        self.partition.saved_input_layers(self.config.resolved_recompute, fused=True),
+        saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=True)
+        self._check_saved_room(mb_rows, inputs, saved)
+        plan = PassPlan(self.passes.new_pass_index(), Mode.TRAIN, training, tuple(mb_rows), saved,
                         labels=tuple(mb_labels), loss_fn=loss_fn, loss_weights=tuple(loss_weights),
                         keep_limit_bytes=self.plan.keep_limit_bytes,
                         lookahead_limit_bytes=self.plan.lookahead_limit_bytes, input_dtypes=_floating_dtypes(inputs),
@@ -92,6 +95,8 @@ class PassLauncher:
         prediction, generation) reads the newest weights: every step taken, and looking changes nothing."""
         saved = self.partition.saved_input_layers(self.config.resolved_recompute, fused=False) \
             if keep_for_backward else frozenset()
+        if keep_for_backward:
+            self._check_saved_room([x[0].shape[0] for x in mb_inputs], inputs, saved)
         optimizer = self.threads.optimizer
         if not keep_for_backward and optimizer is not None and optimizer.has_held_steps:
             self.dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
@@ -102,6 +107,10 @@ class PassLauncher:
                         reads_newest=not keep_for_backward, adapter_setting=adapter_setting,
                         buffer_reading=self.buffers.shown, rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index)
+
+    def _check_saved_room(self, mb_rows: list[int], inputs: tuple, saved: frozenset[int]) -> None:
+        if self.saved_room is not None:  # [Note: saved inputs in host memory]
+            self.saved_room.check(mb_rows, inputs, saved, self.plan.keep_limit_bytes, self.config.resolved_recompute)
 
     def follow_user_layers(self, training: bool) -> tuple:
         """What the user set on their layers since the last pass reaches the devices' copies before this one: PEFT's

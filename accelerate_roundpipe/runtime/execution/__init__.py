@@ -2,4 +2,4 @@
 
 # The modules code outside this sub-package may import (tests/test_runtime_structure.py checks it).
 __all__ = ["adapter_switches", "deferred", "dispatch", "first_pass", "jobs", "layer_buffers", "measured_plan",
-           "microbatches"]
+           "microbatches", "saved_input_room"]
