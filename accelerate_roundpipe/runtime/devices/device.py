@@ -252,8 +252,7 @@ class Device(abc.ABC):
         the compute stream the copies wait for, on the GPU (buffers an earlier task read; see
         [Note: weight buffers reused])."""
         faults.point("transfer.upload")
-        for event in dict.fromkeys(after):  # one wait per distinct event
-            self.param_in.wait_event(event)
+        self.wait_before_uploads(after)
         with self._on_stream(self.param_in):
             begin, finish = self._traced(self.param_in, "parameter upload", hosts)
             begin()
@@ -268,6 +267,13 @@ class Device(abc.ABC):
                 events.append(self.param_in.record_event())
             finish()
             return events
+
+    def wait_before_uploads(self, after=()) -> None:
+        """Make the uploads queued next wait, on the GPU, for the compute-stream `events` (buffers an earlier task
+        read). The measured pass times its uploads after this: a wait for another task's compute is not upload
+        time ([Note: upload rate without the buffer waits] in runtime/execution/residency.py)."""
+        for event in dict.fromkeys(after):  # one wait per distinct event
+            self.param_in.wait_event(event)
 
     def _upload_in_chunks(self, flat: torch.Tensor, host: torch.Tensor) -> None:
         """[Note: parameter uploads in chunks]
