@@ -128,3 +128,22 @@ class HostMemory:
     def release(self) -> None:
         """Unlock everything (waits for the devices first: a copy may still be reading or writing)."""
         self._locked.unlock_all()
+
+
+def release_cached_pinned_memory(accelerator=None) -> bool:
+    """[Note: the measured pass's pinned blocks released]
+    Saved layer inputs and activations cross to the host into page-locked blocks of torch's caching host allocator
+    (`tensor.to("cpu", non_blocking=True)`), which keeps every freed block for a later one of its (power-of-two)
+    size and never gives it back. The measured pass runs the unplanned partition, one layer per backward stage, so
+    it saves the input of every layer: Qwen3-4B at 64 rows of 4096 tokens, 36 inputs of 1.25 GiB in each of 4
+    micro-batches, 45 GiB or more; the planned passes after it save a few inputs of other sizes and could reuse none
+    of those blocks, and a run with its optimizer state on the host was killed for memory in its second pass. So
+    once the measured pass has finished and the plan changed what the passes save, the blocks nobody holds go back
+    (`torch.accelerator.empty_host_cache`, where this torch has it and an accelerator is in use; blocks still held
+    or with copies in flight stay). Returns whether it ran. `accelerator`: `torch.accelerator` unless given."""
+    accelerator = accelerator if accelerator is not None else getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None)
+    if empty is None or not accelerator.is_available():
+        return False
+    empty()
+    return True

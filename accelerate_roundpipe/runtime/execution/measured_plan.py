@@ -36,6 +36,7 @@ from ...plan.transfer_budget import TransferBudget
 from ...telemetry.summary import announce, replanned_line, transfers_line
 from ..common.sync import FailureFlag
 from ..devices.device import Device
+from ..devices.pinned import release_cached_pinned_memory
 from ..state.host_store import HostStore
 from ..state.placement import (
     OptimizerPlacement,
@@ -135,6 +136,8 @@ class MeasuredPlan:
                            error)
             return current
         planned, chosen = self.transfer_plan.planned, self.transfer_plan.num_microbatches
+        if planned.partition != current or chosen != num_mb:  # other saved inputs from now on
+            release_cached_pinned_memory()  # [Note: the measured pass's pinned blocks released]
         announce(replanned_line(planned.partition) + "\n" + transfers_line(self.transfer_plan),
                  self.config.resolved_summary)
         if chosen != num_mb:
