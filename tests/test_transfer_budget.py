@@ -9,6 +9,7 @@ import math
 import pytest
 from test_planner import stage_time
 
+from accelerate_roundpipe.plan import transfer_budget
 from accelerate_roundpipe.plan.layer_costs import LayerCosts
 from accelerate_roundpipe.plan.microbatch_choice import choose_microbatches, fewer_microbatches
 from accelerate_roundpipe.plan.one_device import plan_one_device
@@ -177,3 +178,47 @@ def test_what_crosses_pcie_times_the_transfers_and_the_weights_size_the_memory()
     assert one[0].planned.peak_stage_bytes == one[1].planned.peak_stage_bytes  # memory: the weights either way
     assert not one[0].transfer_bound and one[0].stages[-1].upload_s == 0
     assert one[1].transfer_bound and one[1].stages[-1].upload_s == pytest.approx(2e9 / RATE)
+
+
+def test_memory_is_scaled_down_at_most_four_times_from_what_was_measured():
+    """[Note: memory scaled down at most 4x]: times and layer inputs in proportion to the rows at every size;
+    activation and working memory in proportion down to a quarter of the measured rows, and no lower below it."""
+    measured = profile(50 * MB, rows_per_microbatch=16)
+    quarter, one = measured.costs_at(4), measured.costs_at(1)
+    assert quarter.act_bytes[0] == pytest.approx(measured.costs.act_bytes[0] / 4)
+    assert quarter.work_bytes[0] == pytest.approx(measured.costs.work_bytes[0] / 4)
+    assert one.act_bytes[0] == pytest.approx(measured.costs.act_bytes[0] / 4)  # not / 16
+    assert one.work_bytes[0] == pytest.approx(measured.costs.work_bytes[0] / 4)
+    assert one.forward_s[0] == pytest.approx(measured.costs.forward_s[0] / 16)
+    assert one.input_bytes[0] == pytest.approx(measured.costs.input_bytes[0] / 16)
+    assert measured.costs_at(32).act_bytes[0] == pytest.approx(2 * measured.costs.act_bytes[0])
+
+
+def _plan_need_at_one_row(fixed: float, memory: float) -> float:
+    """The memory the plan for 64 one-row micro-batches, made from costs measured at 16 rows, really needs at its
+    largest stage: decoder-like layers whose memory is per row, a head whose working set has a fixed part."""
+    from accelerate_roundpipe.plan.stage_cost_model import StageCostModel, TaskKind
+
+    layers, per_row = 8, 100 * MB
+
+    def costs(rows: int) -> LayerCosts:
+        return LayerCosts(forward_s=[1e-3 * rows] * layers, backward_s=[2e-3 * rows] * layers,
+                          param_bytes=[400 * MB] * layers, grad_bytes=[400 * MB] * layers,
+                          act_bytes=[per_row * rows] * layers, input_bytes=[2 * MB * rows] * layers,
+                          work_bytes=[per_row * rows] * (layers - 1) + [fixed + per_row * rows])
+
+    plan = choose_microbatches(TransferBudget(costs(16), 16, RATE), 64, 1, [64], memory)
+    truth = StageCostModel(costs(1), PlanSettings(num_devices=1, num_microbatches=64, gpu_memory_bytes=memory,
+                                                  pcie_bytes_per_s=RATE))
+    partition = plan.planned.partition
+    kinds = [TaskKind.BACKWARD] * (len(partition.backward) - 1) + [TaskKind.FUSED]
+    return max(truth.memory(kind, *span) for kind, span in zip(kinds, partition.backward))
+
+
+def test_a_plan_from_one_row_micro_batches_fits_a_layer_whose_memory_has_a_fixed_part(monkeypatch):
+    """A head whose working set does not shrink with the rows (its loss chunks), measured at 16 rows: costed with the
+    floor, the plan for one-row micro-batches fits what its stages really need; costed in proportion (as before),
+    its fused stage holds a layer more than the card has room for (the Qwen3-4B b64 run's out-of-memory)."""
+    assert _plan_need_at_one_row(fixed=GIB, memory=4 * GIB) <= 4 * GIB
+    monkeypatch.setattr(transfer_budget, "MEMORY_SCALE_FLOOR", 0.0)
+    assert _plan_need_at_one_row(fixed=GIB, memory=4 * GIB) > 4 * GIB

@@ -41,6 +41,16 @@ from .stage_cost_model import PlanSettings, StageCostModel, format_bytes
 
 # Fields of `LayerCosts` that grow with the rows of a micro-batch; the weight and gradient bytes do not.
 _PER_ROW_FIELDS = ("forward_s", "backward_s", "recompute_s", "act_bytes", "input_bytes", "work_bytes")
+# [Note: memory scaled down at most 4x]
+# A layer's activation and working memory, measured at one micro-batch size, scales with the rows only in part: the
+# head's loss chunks (1,024 tokens x the vocabulary in float32, with their gradient) and the kernels' workspaces do
+# not shrink with the batch, and one measurement cannot tell the two parts apart. Scaled in proportion from 16 rows
+# to 1, Qwen3-4B's 8-layer fused stage was planned within 10.4 GiB and ran out of a 13 GiB card (64 rows a step,
+# 2026-12-06). So below `MEMORY_SCALE_FLOOR` of the measured rows, memory is taken at that share of the measured
+# (times and the layer inputs, which are the hidden states, still scale in proportion): the planner can still choose
+# micro-batches of a quarter of the measured rows as they are, and smaller ones costed as if a quarter.
+MEMORY_SCALE_FLOOR = 0.25
+_MEMORY_FIELDS = frozenset({"act_bytes", "work_bytes"})
 
 
 def _rows_to_hide(fixed: float, per_row: float, compute_per_row: float, bytes_per_s: float) -> float:
@@ -104,12 +114,16 @@ class TransferBudget:
                              f"{self.rows_per_microbatch!r} and {self.bytes_per_s!r}.")
 
     def costs_at(self, rows_per_microbatch: float) -> LayerCosts:
-        """The costs of micro-batches of `rows_per_microbatch` rows: times and activation bytes in proportion."""
+        """The costs of micro-batches of `rows_per_microbatch` rows: times, layer inputs and activation bytes in
+        proportion, activation and working memory no lower than `MEMORY_SCALE_FLOOR` of the measured
+        ([Note: memory scaled down at most 4x])."""
         scale = rows_per_microbatch / self.rows_per_microbatch
         if scale == 1:
             return self.costs
-        return dataclasses.replace(self.costs, **{name: [v * scale for v in getattr(self.costs, name)]
-                                                  for name in _PER_ROW_FIELDS})
+        memory_scale = max(scale, MEMORY_SCALE_FLOOR)
+        return dataclasses.replace(self.costs, **{
+            name: [v * (memory_scale if name in _MEMORY_FIELDS else scale) for v in getattr(self.costs, name)]
+            for name in _PER_ROW_FIELDS})
 
     @property
     def layers(self) -> tuple[LayerTransfer, ...]:
