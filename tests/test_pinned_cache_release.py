@@ -21,7 +21,10 @@ def test_the_cache_is_emptied_only_where_an_accelerator_is_in_use():
     assert release_cached_pinned_memory(present) and emptied == [1]
     absent = SimpleNamespace(is_available=lambda: False, empty_host_cache=lambda: emptied.append(1))
     assert not release_cached_pinned_memory(absent) and emptied == [1]
-    assert not release_cached_pinned_memory(SimpleNamespace(is_available=lambda: True))  # a torch without it
+    older = SimpleNamespace(is_available=lambda: True)  # torch 2.11: only the private name
+    assert release_cached_pinned_memory(older, SimpleNamespace(_host_emptyCache=lambda: emptied.append(2)))
+    assert emptied == [1, 2]
+    assert not release_cached_pinned_memory(older, SimpleNamespace())  # neither: nothing to call
     if not torch.cuda.is_available():  # this machine: nothing to release, nothing raised
         assert not release_cached_pinned_memory()
 

@@ -130,7 +130,7 @@ class HostMemory:
         self._locked.unlock_all()
 
 
-def release_cached_pinned_memory(accelerator=None) -> bool:
+def release_cached_pinned_memory(accelerator=None, private=None) -> bool:
     """[Note: the measured pass's pinned blocks released]
     Saved layer inputs and activations cross to the host into page-locked blocks of torch's caching host allocator
     (`tensor.to("cpu", non_blocking=True)`), which keeps every freed block for a later one of its (power-of-two)
@@ -139,11 +139,15 @@ def release_cached_pinned_memory(accelerator=None) -> bool:
     micro-batches, 45 GiB or more; the planned passes after it save a few inputs of other sizes and could reuse none
     of those blocks, and a run with its optimizer state on the host was killed for memory in its second pass. So
     once the measured pass has finished and the plan changed what the passes save, the blocks nobody holds go back
-    (`torch.accelerator.empty_host_cache`, where this torch has it and an accelerator is in use; blocks still held
-    or with copies in flight stay). Returns whether it ran. `accelerator`: `torch.accelerator` unless given."""
+    (`torch.accelerator.empty_host_cache` where this torch has it and an accelerator is in use; torch 2.11, which
+    has not, names the same call `torch._C._host_emptyCache`; blocks still held or with copies in flight stay).
+    Returns whether it ran. `accelerator`, `private`: `torch.accelerator` and `torch._C` unless given."""
     accelerator = accelerator if accelerator is not None else getattr(torch, "accelerator", None)
-    empty = getattr(accelerator, "empty_host_cache", None)
-    if empty is None or not accelerator.is_available():
+    private = private if private is not None else torch._C
+    if accelerator is None or not accelerator.is_available():
+        return False
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(private, "_host_emptyCache", None)
+    if empty is None:
         return False
     empty()
     return True
