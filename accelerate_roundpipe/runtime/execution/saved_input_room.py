@@ -2,7 +2,8 @@
 
 [Note: saved inputs in host memory]
 A pass keeps the input of the first layer of every backward stage, for every row, until that stage's backward has
-run ([Note: saved inputs]): rows x tokens x hidden x the compute dtype's size per saved layer. What the device may
+run ([Note: saved inputs]): rows x tokens x hidden x the compute dtype's size per saved layer (the embedding's
+input, the token ids, is the caller's batch and not counted). What the device may
 keep (`PassPlan.keep_limit_bytes`; nothing under a tight card) goes to page-locked host memory, and all of it on
 CPU workers. It grows with the batch and is not part of the store that `host_memory_budget` sizes: Llama-3.1-8B at
 64 rows of 4,096 tokens keeps 16 inputs of 2 GiB, 32 GiB beside a store planned for 96 GiB on a 125 GiB machine,
@@ -50,6 +51,7 @@ class SavedInputRoom:
     def check(self, mb_rows: Sequence[int], inputs: tuple, saved_layers: frozenset[int], keep_limit_bytes: int,
               recompute: str) -> None:
         """Warn once per shape when the pass's saved inputs would not fit the host's available memory."""
+        saved_layers = saved_layers - {0}  # the first layer's input is the model's (token ids): the caller's own
         if self.hidden_size is None or not saved_layers or not inputs or inputs[0].dim() < 2:
             return
         seq_len = int(inputs[0].shape[1])
