@@ -34,3 +34,17 @@ def named_groups(model, weight_decay: float = 0.1) -> list[dict]:
 
 def twin(model):
     return copy.deepcopy(model)
+
+
+def float64_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                           shift_labels=None, **kwargs):
+    """transformers' `ForCausalLMLoss` in the logits' own dtype: since transformers 5.25 (at least) it casts the
+    logits to float32 first, which leaves a float64 model's gradients float32-accurate, and AdamW's first step then
+    differs by up to 2e-6 where a gradient is near zero. Set as `model.loss_function` for float64 parity tests."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
+                                             ignore_index=ignore_index,
+                                             reduction="sum" if num_items_in_batch is not None else "mean")
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from integration_unit_helpers import CPU_WORKERS, lm_batch, tiny_llama, twin
+from integration_unit_helpers import CPU_WORKERS, float64_causal_lm_loss, lm_batch, tiny_llama, twin
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_roundpipe import RoundPipe, RoundPipeAccelerator, RoundPipePlugin
@@ -95,15 +95,6 @@ def test_model_zero_grad_clears_the_engine_gradients():
     engine.close()
 
 
-def _float64_loss(model, batch: dict) -> torch.Tensor:
-    """The causal-LM loss HF computes, in the model's float64: transformers' `ForCausalLMLoss` casts the logits to
-    float32 first, and a float32 gradient moves AdamW's first step by up to 2e-6 where a gradient is near zero
-    (transformers 5.25), while the engine's head computes in the model's dtype."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def test_model_state_dict_right_after_a_step_shows_the_newest_weights():
     """`model.state_dict()` of the prepared model (the same object), read right after `optimizer.step()` as a loop
     that saves with `torch.save(model.state_dict(), ...)` reads it, and PEFT's `get_peft_model_state_dict`, which
@@ -112,6 +103,7 @@ def test_model_state_dict_right_after_a_step_shows_the_newest_weights():
     import peft
 
     model, reference = tiny_llama().double(), tiny_llama().double()
+    reference.loss_function = float64_causal_lm_loss  # HF's own casts the logits to float32; the engine's head does not
     accelerator = make_accelerator(plugin=dict(param_dtype=torch.float64))
     model = accelerator.prepare(model)
     optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -120,7 +112,7 @@ def test_model_state_dict_right_after_a_step_shows_the_newest_weights():
         accelerator.backward(model(**lm_batch(seed=step)).loss)
         optimizer.step()
         optimizer.zero_grad()
-        _float64_loss(reference, lm_batch(seed=step)).backward()
+        reference(**lm_batch(seed=step)).loss.backward()
         plain.step()
         plain.zero_grad()
         got, want = model.state_dict(), reference.state_dict()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from integration_unit_helpers import CPU_WORKERS, lm_batch, named_groups, tiny_llama
+from integration_unit_helpers import CPU_WORKERS, float64_causal_lm_loss, lm_batch, named_groups, tiny_llama
 
 from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
 
@@ -14,6 +14,7 @@ from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
 def _model_with_an_unused_module():
     model = tiny_llama().double()
     model.model.layers[0].self_attn.unused_proj = torch.nn.Linear(32, 32, dtype=torch.float64)  # never called
+    model.loss_function = float64_causal_lm_loss  # HF's own casts the logits to float32
     return model
 
 

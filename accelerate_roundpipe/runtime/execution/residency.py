@@ -278,10 +278,11 @@ class ParamResidency:
                     not any(self.store.uploads_pageable(b, h) for (b, _), h in zip(batch, hosts)):
                 timed = params.profile.measure_upload(self.device, crossing)
             # [Note: upload rate without the buffer waits]
-            # A reused buffer's upload waits on the GPU for the earlier task that read it ([Note: weight buffers
-            # reused]). Inside the timer that wait counted as upload time: Qwen3-4B at 64 rows a step (forward
-            # stages of over a second) measured 1.3 GB/s on a 50 GB/s link, and the plan made from it chose 64
-            # micro-batches of one row with an 8-layer fused stage that ran out of memory. The wait goes first.
+            # A reused buffer's upload waits on the GPU for the earlier task that read it
+            # ([Note: weight buffers reused]). Inside the timer that wait counted as upload time: Qwen3-4B at 64
+            # rows a step (forward stages of over a second) measured 1.3 GB/s on a 50 GB/s link, and the plan made
+            # from it chose 64 micro-batches of one row with an 8-layer fused stage that ran out of memory. The wait
+            # goes first.
             self.device.wait_before_uploads([params.reused_after.pop(b) for b, _ in batch
                                              if b in params.reused_after])
             with timed:
