@@ -112,7 +112,8 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": git_commit(),
               "max_seq": seq if is_sweep(workload) else None}
     settings = {"seq": seq, "global_batch": w.global_batch, "mem_cap_gib": w.cap_gib, "lora": w.lora,
-                "num_microbatches": config.num_microbatches, "warm": warm, "iters": iters, "lr": lr, **training,
+                "num_microbatches": config.num_microbatches, "accumulation": w.accumulation, "warm": warm,
+                "iters": iters, "lr": lr, **training,
                 "tokens_per_s_basis": "mean of the timed steps, synchronized at both ends",
                 "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "config": config_values(config),
                 # our engine's fused kernels are Liger's when it is installed (kernels="auto")
@@ -130,6 +131,11 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
                         build_s=round(time.perf_counter() - started, 1), build_host_peak_gib=host_peak_gib())
         batch = make_batch(w.shape.vocab_size, w.global_batch, seq)
         extra = {"logging_steps": logging_steps, "max_grad_norm": max_grad_norm} if trainer else {}
+        if w.accumulation > 1:
+            if system != "roundpipe-engine":
+                raise ValueError(f"workload {workload} accumulates {w.accumulation} calls a step; only "
+                                 f"--system roundpipe-engine runs accumulation.")
+            extra["accumulation"] = w.accumulation
         result = RUNNERS[system](model, config, batch, warm, iters, lr, **extra)
     except Exception as error:  # noqa: BLE001 -- a failed configuration is a result too
         status = "OOM" if is_oom(error) else "ERROR"

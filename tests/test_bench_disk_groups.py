@@ -24,6 +24,9 @@ GROUPS = {  # group: [(workload, --roundpipe fields, limit)]
                         ("qwen3-4b-full-s4096-b8-cap24", {"optimizer_placement": "host"}, 150)],
     "disk-8b": [("llama3.1-8b-full-s4096-b8", {"host_memory_budget": "96"}, 540)],
     "disk-8b-cap24": [("llama3.1-8b-full-s4096-b8-cap24", {"host_memory_budget": "96"}, 560)],
+    "disk-cap24-b64": [("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, 320),
+                       ("qwen3-4b-full-s4096-b64-cap24", {}, 250)],
+    "disk-8b-cap24-b64": [("llama3.1-8b-full-s4096-b64-cap24", {"host_memory_budget": "96"}, 560)],
 }
 
 
@@ -45,6 +48,8 @@ def test_each_disk_group_runs_the_engine_with_its_budget_and_the_disk_probe(tmp_
     assert WORKLOADS["llama3.1-8b-full-s4096-b8"].lora is False
     assert WORKLOADS["llama3.1-8b-full-s4096-b8"].cap_gib == 0.0
     assert WORKLOADS["llama3.1-8b-full-s4096-b8-cap24"].cap_gib == 24.0
+    for name in ("qwen3-4b-full-s4096-b64-cap24", "llama3.1-8b-full-s4096-b64-cap24"):  # issue 33: accumulation
+        assert (WORKLOADS[name].global_batch, WORKLOADS[name].accumulation) == (64, 8)
 
 
 def test_a_records_placement_names_the_disk_and_its_bandwidth(tmp_path):

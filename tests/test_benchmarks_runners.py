@@ -121,3 +121,22 @@ def test_the_record_says_the_micro_batches_a_sized_first_pass_ran():
     config = RoundPipeConfig(devices=["cpu"], gpu_memory_budget=budget_gib)
     result = RUNNERS["roundpipe-engine"](model, config, make_batch(64, rows=rows, seq=seq), 1, 1, 1e-3)
     assert result["num_microbatches"] == rows
+
+
+def test_engine_accumulation_equals_one_call_over_the_batch():
+    """`accumulation` N: N calls of rows/N each, gradients scaled by 1/N, one step: the same losses as one call over
+    every row (float64: the mean over equal slices is the batch's mean), and the engine planned one call's rows."""
+    from accelerate_roundpipe import RoundPipeConfig
+
+    batch = make_batch(64, rows=4, seq=16)
+    results = {}
+    for accumulation in (1, 2):
+        model = tiny_model().double()
+        config = RoundPipeConfig(devices=["cpu"], num_microbatches=1)
+        results[accumulation] = RUNNERS["roundpipe-engine"](model, config, batch, warm=0, iters=3, lr=1e-2,
+                                                            accumulation=accumulation)
+    assert results[2]["path"]["accumulation"] == 2
+    assert results[2]["losses"] == pytest.approx(results[1]["losses"], rel=1e-10)
+    assert results[2]["losses"][2] < results[2]["losses"][0]  # it trained: the step saw the accumulated gradients
+    with pytest.raises(ValueError, match="divide the batch's 4 rows"):
+        RUNNERS["roundpipe-engine"](tiny_model(), RoundPipeConfig(devices=["cpu"]), batch, 0, 1, accumulation=3)
