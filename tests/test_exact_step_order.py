@@ -96,10 +96,10 @@ def test_the_next_forward_uploads_its_first_layers_before_the_step_is_written(mo
     bucket_of_host.update({b.optim.data_ptr(): b for b in store.trainable_buckets})
     original_upload = Device.upload_params_into
 
-    def recorded_upload(self, flats, hosts, after=()):
+    def recorded_upload(self, flats, hosts):
         for host in hosts:
             log.append(("upload", bucket_of_host[host.data_ptr()], time.monotonic()))
-        return original_upload(self, flats, hosts, after=after)
+        return original_upload(self, flats, hosts)
 
     monkeypatch.setattr(Device, "upload_params_into", recorded_upload)
 

@@ -109,8 +109,8 @@ def test_the_summary_says_why_the_first_pass_has_more_micro_batches():
     sizing = size_first_pass(per_row, rows=8, seq_len=4096, default_count=2, free_bytes=3.0 * 2**30,
                              choices=MICROBATCH_CHOICES)
     text = engine_summary(_snapshot("measured", sizing))
-    assert ("micro-batches: 8 per pass on the first pass (eager attention's scores: 2.00 GiB a row per layer, "
-            "2.00 GiB in all, against 3.00 GiB free), then the measured plan's choice") in text
+    assert ("micro-batches: 8 per pass on the first pass (eager attention's scores: 2.000 GiB a row per layer, "
+            "2.000 GiB in all, against 3.000 GiB free), then the measured plan's choice") in text
     static = engine_summary(_snapshot("static", sizing))
     assert "micro-batches: 8 per pass for 8 rows of 4096 tokens (eager attention's scores" in static
     unraised = dataclasses.replace(sizing, count=2)

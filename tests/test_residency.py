@@ -63,9 +63,9 @@ def _recording_residency(engine):
     issued: list[int] = []
     upload = residency.device.upload_params_into
 
-    def recorded(flats, hosts, after=()):
+    def recorded(flats, hosts):
         issued.extend(bucket_of_host[h.data_ptr()] for h in hosts)
-        return upload(flats, hosts, after=after)
+        return upload(flats, hosts)
 
     residency.device.upload_params_into = recorded
     return residency, issued

@@ -19,10 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .activation_estimate import RowActivations
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB" if abs(num_bytes) >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+from .stage_cost_model import format_bytes
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,8 @@ class FirstPassSizing:
         """Why the count, for the start summary: the estimate's largest part per row, and the room left."""
         part, part_bytes = self.per_row.largest_part()
         fits = "" if self.micro_batch_bytes() <= self.free_bytes else ", not even one row fits"
-        return (f"{part}: {_gib(part_bytes)} a row per layer, {_gib(self.per_row.total_bytes)} in all, against "
-                f"{_gib(self.free_bytes)} free{fits}")
+        return (f"{part}: {format_bytes(part_bytes)} a row per layer, {format_bytes(self.per_row.total_bytes)} "
+                f"in all, against {format_bytes(self.free_bytes)} free{fits}")
 
 
 def size_first_pass(per_row: RowActivations, rows: int, seq_len: int, default_count: int, free_bytes: float,

@@ -151,9 +151,9 @@ def test_each_shard_moves_only_its_rows(monkeypatch, tied):
     uploads, commits = [], []
     real_upload, real_commit = Device.upload_params_into, Bucket.commit
 
-    def upload(self, flats, hosts, after=()):
+    def upload(self, flats, hosts):
         uploads.extend((h.data_ptr(), h.numel()) for h in hosts)
-        return real_upload(self, flats, hosts, after=after)
+        return real_upload(self, flats, hosts)
 
     def commit(self, grad, grad_sq=None, window=None, used=None):
         commits.append((self.index, window or (0, self.grad.numel())))

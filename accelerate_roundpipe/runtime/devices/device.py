@@ -245,14 +245,12 @@ class Device(abc.ABC):
         for it ([Note: weight buffers reused]); a device that checks stream order records it."""
         return None  # nothing to record where the order is not checked
 
-    def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor], after=()) -> list:
+    def upload_params_into(self, flats: list[torch.Tensor], hosts: list[torch.Tensor]) -> list:
         """Start copying host buckets (compute copies, or optimizer copies in another dtype, cast on the device)
         into the device buffers `flats`; returns one copy event per bucket. Call `use_params` for a bucket before
-        computing with it: a task's first layer can start as soon as its own bucket has landed. `after`: events of
-        the compute stream the copies wait for, on the GPU (buffers an earlier task read; see
-        [Note: weight buffers reused])."""
+        computing with it: a task's first layer can start as soon as its own bucket has landed. Buffers an earlier
+        task read are waited for first, by `wait_before_uploads` ([Note: weight buffers reused])."""
         faults.point("transfer.upload")
-        self.wait_before_uploads(after)
         with self._on_stream(self.param_in):
             begin, finish = self._traced(self.param_in, "parameter upload", hosts)
             begin()

@@ -19,14 +19,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 from ...plan.shape_costs import shape_from_config
+from ...plan.stage_cost_model import format_bytes
 from ..disk import available_memory_bytes
 
 logger = logging.getLogger(__name__)
-GiB = 2**30
 
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / GiB:.2f} GiB"
 
 
 class SavedInputRoom:
@@ -67,10 +64,10 @@ class SavedInputRoom:
         message = (
             f"RoundPipe: this training pass keeps the inputs of {len(saved_layers)} layers for the backward's "
             f"recomputation (recompute={recompute!r}: the first layer of each backward stage), {sum(mb_rows)} rows "
-            f"x {seq_len} tokens x {self.hidden_size} hidden, {_gib(each)} each; at least {_gib(need)} of them go "
-            f"to host memory, and {_gib(free)} is available. If the process is killed for memory: train fewer "
-            f"rows a step (per_device_train_batch_size, with gradient_accumulation_steps for the same global "
-            f"batch), lower host_memory_budget so that more optimizer state goes to disk, or set backward_stages "
-            f"to fewer, larger stages (fewer saved inputs).")
+            f"x {seq_len} tokens x {self.hidden_size} hidden, {format_bytes(each)} each; at least "
+            f"{format_bytes(need)} of them go to host memory, and {format_bytes(free)} is available. If the process "
+            f"is killed for memory: train fewer rows a step (per_device_train_batch_size, with "
+            f"gradient_accumulation_steps for the same global batch), lower host_memory_budget so that more "
+            f"optimizer state goes to disk, or set backward_stages to fewer, larger stages (fewer saved inputs).")
         self.warnings.append(message)
         logger.warning(message)
