@@ -195,6 +195,7 @@ class RoundPipe(HostResidentModule):
             self._launch.follow_user_layers(training=True)
             inputs = tensor_tuple(inputs, "forward_backward inputs")
             rows, num_mb, mb_inputs = self._microbatches.split(inputs)
+            self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
             mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
             mb_rows = [x[0].shape[0] for x in mb_inputs]
             totals = loss_count_totals(mb_rows, mb_labels, counted_labels)
@@ -286,6 +287,7 @@ class RoundPipe(HostResidentModule):
         self._before_pass(inputs)
         inputs = tensor_tuple(inputs, "forward inputs")
         rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
+        self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
         adapter_setting = self._launch.follow_user_layers(training=keep_for_backward)
         plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
                                                   keep_for_backward, adapter_setting)
@@ -470,6 +472,7 @@ class RoundPipe(HostResidentModule):
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
             self._microbatches.size_before_start(inputs)  # the summary says why the first pass has its count
+            self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
             announce(engine_summary(self.snapshot()), self.config.resolved_summary)
 
     # ------------------------------------------------------------------ nn.Module behaviour

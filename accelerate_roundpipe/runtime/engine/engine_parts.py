@@ -87,7 +87,11 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     plan = MeasuredPlan(config, devices, store)  # [Note: measured plan]
     # Unplanned passes are sized from the model's config ([Note: first-pass micro-batches]); the partition they run
     # is this one (the measured plan replaces both at once).
-    sizer = FirstPassSizer(getattr(module, "config", None), store, plan, partition)
+    # At large batches their backward stages hold several layers ([Note: first-pass backward stages]): only the
+    # engine's own partition, in one process.
+    own_partition = config.forward_stages is None and config.backward_stages is None
+    sizer = FirstPassSizer(getattr(module, "config", None), store, plan, partition,
+                           regroup=own_partition and exchange.world_size == 1, saved_on_host=not uses_cuda)
     # `allow_short_batches`: see [Note: short batches].
     microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches, sizer)
     dispatch = Dispatcher(config, devices, store, failure, plan, trace)

@@ -30,6 +30,7 @@ class PassLauncher:
                  adapters: AdapterSwitches, passes: PassCounts, buffers: LayerBuffers,
                  saved_room: SavedInputRoom | None = None) -> None:
         self.config, self.store, self.failure, self.partition = config, store, failure, partition
+        self.unplanned = partition  # the engine's partition before anything was measured
         self.plan, self.dispatch, self.deferred, self.threads = plan, dispatch, deferred, threads
         self.adapters, self.passes, self.buffers, self.saved_room = adapters, passes, buffers, saved_room
 
@@ -57,6 +58,13 @@ class PassLauncher:
         if not keep_for_backward and len(devices) == 1 and self.store.weights_stay_on(devices[0].device):
             partition = partition.one_stage()
         return self.dispatch.schedule(partition, num_mb, Mode.FORWARD)
+
+    def size_unplanned(self, sizing) -> None:
+        """Before an unplanned pass (nothing measured yet: the first, or every pass of a static plan), run the
+        partition its sizing chose ([Note: first-pass backward stages]); None or no regrouping: the engine's own."""
+        if self.plan.layer_costs is None:
+            self.partition = sizing.partition if sizing is not None and sizing.partition is not None \
+                else self.unplanned
 
     def before_pass(self) -> bool:
         """Ready the next pass; True when the workers were started now (its first)."""

@@ -146,6 +146,7 @@ class MicrobatchPolicy:
             return min(chosen, rows)
         default = min(2 * self.num_devices, rows)
         if self.sizer is None or seq_len is None:
+            self.sizing = None  # this pass was not sized: no earlier shape's sizing stands for it
             return default
         self.sizing = self.sizer.size(rows, seq_len, default)
         return self.sizing.count if self.sizing is not None else default

@@ -1,0 +1,136 @@
+"""[Note: first-pass backward stages]: at a batch whose saved inputs would not fit the host's share, the first
+(unplanned) pass runs backward stages of several layers, fewer saved inputs, and the same numbers as plain PyTorch
+(float64, CPU workers); the measured plan replaces it after that pass. The engine's own partition only, and only when
+the inputs do not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accelerate_roundpipe import RoundPipeConfig
+from accelerate_roundpipe.integrations.convert import wrap_model
+from accelerate_roundpipe.plan.first_pass_sizing import regrouped_partition, saved_stage_inputs
+from accelerate_roundpipe.plan.partition import plan_partition
+from accelerate_roundpipe.runtime.execution import first_pass
+
+transformers = pytest.importorskip("transformers")
+
+DECODER_LAYERS = 6  # the pipeline: the embedding, 6 decoder layers, the head: 8 layers
+
+
+def test_the_saved_input_count_is_the_partitions():
+    for num_layers in range(3, 14):
+        assert regrouped_partition(num_layers, 1) == plan_partition(num_layers)  # k = 1: the unplanned partition
+        for k in range(1, num_layers + 1):
+            partition = regrouped_partition(num_layers, k)
+            assert all(len(span) == k for span in partition.backward[1:])  # from the top; the bottom one the rest
+            saved = partition.saved_input_layers("stage", fused=True) - {0}  # layer 0's input: the token ids
+            assert len(saved) == saved_stage_inputs(num_layers, k), (num_layers, k)
+
+
+def _model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=DECODER_LAYERS, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).double()
+
+
+def _batch():
+    return torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _reference(model, ids):
+    """Plain PyTorch: the mean next-token cross-entropy in float64, and every gradient."""
+    logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _engine_pass(engine, ids):
+    loss = engine.forward_backward(input_ids=ids, labels=ids)
+    engine.synchronize()
+    grads = {name: p.grad.clone() for name, p in engine.named_parameters()}
+    engine.zero_grad()
+    return loss.detach(), grads
+
+
+def _check(result, reference):
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("plan", ["measured", "static"])
+def test_a_host_without_room_for_the_saved_inputs_runs_fewer_backward_stages(monkeypatch, plan):
+    monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)  # no room for any saved input
+    model = _model()
+    ids = _batch()
+    reference = _reference(model, ids)
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan=plan))
+    try:
+        unplanned = engine._launch.unplanned
+        assert len(unplanned.saved_input_layers("stage") - {0}) == DECODER_LAYERS  # every decoder layer's input
+        first = _engine_pass(engine, ids)
+        sizing = engine._microbatches.sizing
+        # 8 layers in stages of 4: the fused stage and the bottom one, which saves the caller's token ids only
+        assert sizing.stage_layers == 4 and "backward stages of 4 layers" in sizing.reason()
+        assert engine.partition == sizing.partition == regrouped_partition(8, 4)
+        assert engine.partition.saved_input_layers("stage") - {0} == frozenset()
+        _check(first, reference)
+        second = _engine_pass(engine, ids)
+        if plan == "measured":  # the measured plan's partition from here on
+            assert engine._launch.plan.layer_costs is not None and engine.partition != sizing.partition
+        else:  # every pass of a static plan is unplanned: the same shape, the same stages
+            assert engine.partition == sizing.partition
+        _check(second, reference)
+    finally:
+        engine.close()
+
+
+def test_a_host_with_room_keeps_the_one_layer_stages_and_a_users_stages_are_kept():
+    model = _model()
+    ids = _batch()
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
+    try:
+        engine.forward_backward(input_ids=ids, labels=ids)
+        assert engine._microbatches.sizing.stage_layers == 1 and engine._microbatches.sizing.partition is None
+        engine.synchronize()
+    finally:
+        engine.close()
+    given = RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static", backward_stages=[1] * 8)
+    engine = wrap_model(_model(), given)
+    try:
+        first_pass_share = first_pass.SAVED_HOST_SHARE
+        first_pass.SAVED_HOST_SHARE = 0.0
+        try:
+            engine.forward_backward(input_ids=ids, labels=ids)
+        finally:
+            first_pass.SAVED_HOST_SHARE = first_pass_share
+        assert engine.partition == engine._launch.unplanned and len(engine.partition.backward) == 8
+        engine.synchronize()
+    finally:
+        engine.close()
+
+
+def test_one_row_of_the_stage_must_fit_the_device(monkeypatch):
+    """Stages grow only while one row of their layers fits what the device leaves a micro-batch: the sizer keeps
+    the largest that fits and the saved-input warning says the rest."""
+    monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
+    engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
+    try:
+        sizer = engine._microbatches.sizer
+        per_row = first_pass.row_activations(engine.module.config, 32, sizer.element_size)
+        two_layers = regrouped_partition(8, 2)
+        room = per_row.total_bytes * 2 + sizer._stage_bytes(two_layers)  # one row of 2 layers, not of 3
+        monkeypatch.setattr(sizer, "host_bytes", lambda: room / first_pass.PLAN_SHARE)
+        sizing = sizer.size(8, 32, 4)
+        assert sizing.stage_layers == 2 and sizing.partition == two_layers
+    finally:
+        engine.close()
