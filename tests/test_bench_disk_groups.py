@@ -26,6 +26,8 @@ GROUPS = {  # group: [(workload, --roundpipe fields, limit)]
     "disk-8b-cap24": [("llama3.1-8b-full-s4096-b8-cap24", {"host_memory_budget": "96"}, 560)],
     "disk-cap24-b64": [("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, 320),
                        ("qwen3-4b-full-s4096-b64-cap24", {}, 250)],
+    "disk-cap24-b64-short": [("qwen3-4b-full-s4096-b64-cap24", {}, 170),
+                             ("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, 300)],
     "disk-cap24-b64-lagged": [("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, 320)],
     "disk-8b-cap24-b64": [("llama3.1-8b-full-s4096-b64-cap24", {"host_memory_budget": "96"}, 560)],
 }

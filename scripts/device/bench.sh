@@ -8,7 +8,7 @@
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
-# disk-cap24-b64, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
+# disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
@@ -28,7 +28,7 @@ WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile ke
 WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
-WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
+WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
 CALL_S=${BENCH_CALL_S:-585}
@@ -278,6 +278,11 @@ run_ours() {
     w=qwen3-4b-full-s4096-b64-cap24
     ours 320 $w roundpipe-engine --warm 2 --iters 2 --disk-probe --roundpipe host_memory_budget=24
     ours 250 $w roundpipe-engine --warm 2 --iters 2 --disk-probe ;;
+  disk-cap24-b64-short)  # disk-cap24-b64 for a call with less device time left: the default budget first (the
+    # baseline), then the disk run; 1 warm-up + 2 timed steps each
+    w=qwen3-4b-full-s4096-b64-cap24
+    ours 170 $w roundpipe-engine --warm 1 --iters 2 --disk-probe
+    ours 300 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24 ;;
   disk-cap24-b64-lagged)  # beside disk-cap24-b64: the same disk run with the step one step late
     # (async_optimizer), whose disk reads and writes run under the next step's 8 calls instead of between them
     ROUNDPIPE_ASYNC_OPTIMIZER=true ours 320 qwen3-4b-full-s4096-b64-cap24 roundpipe-engine --warm 2 --iters 2 \
