@@ -83,6 +83,18 @@ def run_subprocess(command: list[str], env: dict[str, str], timeout: float = 240
     return result
 
 
+def run_subprocesses(runs: list[tuple[list[str], dict[str, str]]], timeout: float = 240,
+                     ) -> list[subprocess.CompletedProcess]:
+    """`run_subprocess` for each (command, env) of independent runs, all started at once (most of a launched run is
+    one process importing transformers on one core: two runs side by side use both cores). Each must succeed within
+    `timeout`; their results in order."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(run_subprocess, command, env, timeout) for command, env in runs]
+        return [future.result() for future in futures]
+
+
 def loop_losses(output_dir: str) -> list[float]:
     with open(os.path.join(output_dir, "step_losses.json")) as f:
         return json.load(f)

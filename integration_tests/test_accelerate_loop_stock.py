@@ -20,6 +20,7 @@ from roundpipe_testing import (
     loop_losses,
     run_in_process,
     run_subprocess,
+    run_subprocesses,
     staleness_one,
     subprocess_env,
 )
@@ -95,7 +96,9 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
     """`accelerate launch -m accelerate_roundpipe.run ...` and `accelerate-roundpipe launch` with a config file
     carrying a `roundpipe:` section (written by `accelerate-roundpipe config`) both run RoundPipe; a plain
     `accelerate launch` with a RoundPipe-free config keeps working."""
-    env = subprocess_env(str(tmp_path))
+    def env(out: str) -> dict[str, str]:
+        return subprocess_env(out + "_home")
+
     steps = 20  # the LR schedule depends on the step count: compare whole runs
     expected = loop_losses(plain_run)
 
@@ -106,31 +109,30 @@ def test_accelerate_launch_and_the_console_command(tiny_assets, plain_run, tmp_p
     def ran_roundpipe(out: str) -> bool:
         return os.path.isfile(os.path.join(out, "step_10", "roundpipe_engine_state.json"))
 
-    out = str(tmp_path / "accelerate_launch")
-    run_subprocess([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "-m",
-                    "accelerate_roundpipe.run", LOOP_SCRIPT, *loop_args(tiny_assets, out, steps, *checkpoint)],
-                   {**env, **ROUNDPIPE_ENV})
-    assert_close_lists(loop_losses(out), expected, "accelerate launch -m accelerate_roundpipe.run")
-    assert ran_roundpipe(out)
-
+    # The three launches are independent: run side by side (each is mostly one process on one core).
     from accelerate_roundpipe.launch.cli import config_command
+    from accelerate_roundpipe.launch.config_file import base_accelerate_config, write_config
 
     config = config_command(["--config_file", str(tmp_path / "roundpipe_config.yaml"), "--devices", "cpu,cpu",
                              "--num_microbatches", "2", "--async_optimizer", "false"])
-    out = str(tmp_path / "console")
-    result = run_subprocess([sys.executable, "-m", "accelerate_roundpipe.launch.cli", "launch", "--roundpipe",
-                             "--config_file", config, LOOP_SCRIPT, *loop_args(tiny_assets, out, steps, *checkpoint)],
-                            env)
-    assert_close_lists(loop_losses(out), expected, "accelerate-roundpipe launch --roundpipe")
-    assert "RoundPipe on" not in result.stdout  # the script itself never mentions RoundPipe
-    assert ran_roundpipe(out)
-
-    from accelerate_roundpipe.launch.config_file import base_accelerate_config, write_config
-
     plain_config = str(tmp_path / "plain_config.yaml")
     write_config(base_accelerate_config(use_cpu=True), plain_config)
-    out = str(tmp_path / "plain_accelerate_launch")
-    run_subprocess([sys.executable, "-m", "accelerate.commands.launch", "--config_file", plain_config, LOOP_SCRIPT,
-                    *loop_args(tiny_assets, out, steps, *checkpoint)], env)
-    assert_close_lists(loop_losses(out), expected, "plain accelerate launch, RoundPipe installed but not used")
-    assert os.path.isdir(os.path.join(out, "step_10")) and not ran_roundpipe(out)
+    launched, console, plain = (str(tmp_path / name) for name in ("accelerate_launch", "console",
+                                                                  "plain_accelerate_launch"))
+    _, result, _ = run_subprocesses([  # each in an HF home of its own (no shared datasets cache)
+        ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "-m", "accelerate_roundpipe.run",
+          LOOP_SCRIPT, *loop_args(tiny_assets, launched, steps, *checkpoint)], {**env(launched), **ROUNDPIPE_ENV}),
+        ([sys.executable, "-m", "accelerate_roundpipe.launch.cli", "launch", "--roundpipe", "--config_file", config,
+          LOOP_SCRIPT, *loop_args(tiny_assets, console, steps, *checkpoint)], env(console)),
+        ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", plain_config, LOOP_SCRIPT,
+          *loop_args(tiny_assets, plain, steps, *checkpoint)], env(plain)),
+    ])
+    assert_close_lists(loop_losses(launched), expected, "accelerate launch -m accelerate_roundpipe.run")
+    assert ran_roundpipe(launched)
+
+    assert_close_lists(loop_losses(console), expected, "accelerate-roundpipe launch --roundpipe")
+    assert "RoundPipe on" not in result.stdout  # the script itself never mentions RoundPipe
+    assert ran_roundpipe(console)
+
+    assert_close_lists(loop_losses(plain), expected, "plain accelerate launch, RoundPipe installed but not used")
+    assert os.path.isdir(os.path.join(plain, "step_10")) and not ran_roundpipe(plain)

@@ -46,7 +46,7 @@ def test_the_layer_profile_sorts_kernels_by_kind_and_runs_tiny(tmp_path, monkeyp
     assert profile.kind_of("mystery") == "other"
     monkeypatch.setenv("ROUNDPIPE_SUMMARY", "0")
     out = tmp_path / "records.jsonl"
-    profile.main(["--tiny", "--warm", "1", "--steps", "1", "--out", str(out)])
+    profile.main(["--tiny", "--batch", "2", "--seq", "8", "--warm", "1", "--steps", "1", "--out", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["system"].split()[0] for r in records] == ["hf", "peft", "engine"]
     losses = {round(r["losses"][0], 4) for r in records}

@@ -55,6 +55,39 @@ def run_ranks(target: Callable, world_size: int, *args: Any, timeout_s: float = 
     return [got[rank][1] if rank in got else Exited(processes[rank].exitcode) for rank in range(world_size)]
 
 
+def run_ranks_side_by_side(*runs: tuple[Callable, int, tuple, float]) -> list[list[Any]]:
+    """`run_ranks(target, world_size, *args, timeout_s=timeout_s)` for each (target, world_size, args, timeout_s)
+    of independent runs, all started at once (a spawned rank spends seconds importing on one core: side by side,
+    the runs share both); what each returned, in order."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(run_ranks, target, world_size, *args, timeout_s=timeout_s)
+                   for target, world_size, args, timeout_s in runs]
+        return [future.result() for future in futures]
+
+
+def in_turn(rank: int, world_size: int, calls: list[tuple[str, Callable, tuple]]) -> dict[str, tuple[str, Any]]:
+    """A target for `run_ranks`: several independent scenarios, (key, target, args) each, one after the other on the
+    same ranks (one process start for all): key -> ("ok", what `target(rank, world_size, *args)` returned) or
+    ("error", its traceback)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for key, target, args in calls:
+        try:
+            out[key] = ("ok", target(rank, world_size, *args))
+        except Exception:  # noqa: BLE001 - reported to its test by `ran`
+            out[key] = ("error", traceback.format_exc())
+    return out
+
+
+def ran(reports: list[dict[str, tuple[str, Any]]], key: str) -> list[Any]:
+    """What each rank's `key` scenario of an `in_turn` run returned, in rank order; a rank's traceback fails the
+    test."""
+    errors = [f"rank {rank}:\n{report[key][1]}" for rank, report in enumerate(reports) if report[key][0] == "error"]
+    assert not errors, "\n".join(errors)
+    return [report[key][1] for report in reports]
+
+
 def run_ranks_to_exit(target: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[tuple]:
     """As `run_ranks`, but a rank's exception ends its process as it ends a script (exit code 1); returns, per
     rank, (kind "ok" / "error" / None if it reported nothing, what it returned or its traceback, its exit code)."""

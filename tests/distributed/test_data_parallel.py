@@ -5,17 +5,36 @@ from __future__ import annotations
 
 import dp_scenarios
 import pytest
+import ranks
 import torch
-from ranks import Exited, run_ranks
+from ranks import Exited, ran, run_ranks
 
 
 @pytest.fixture(scope="module")
-def two_rank_checkpoint(tmp_path_factory):
+def in_turn(tmp_path_factory):
+    """The independent two-rank scenarios of this module's tests that need no fault and no timing, run in turn by
+    one pair of processes (one start for all); each test reads its own (`ranks.ran`), a scenario that raised on a
+    rank failing it with the traceback. The training run goes last: it sets the chunking of the collectives for
+    its own process. Returns the path of its step-3 optimizer shards, and the reports."""
+    folder = tmp_path_factory.mktemp("dp")
+    path = str(folder / "optimizer-rank{rank}.pt")
+    moe_reference, lora_reference = str(folder / "moe_reference.pt"), str(folder / "lora_reference.pt")
+    dp_scenarios.moe_one_process_reference(moe_reference, 2)
+    dp_scenarios.lora_reference(lora_reference)
+    scenarios = [("mismatched_settings", ()), ("hugging_face_loss_counts_the_global_batch", ()),
+                 ("mixture_of_experts_counts_the_global_tokens", (moe_reference,)),
+                 ("lora_counts_the_global_batch", (lora_reference,)), ("clips_of_rank_shares_are_refused", ()),
+                 ("training_equals_one_process", (path,))]
+    return path, run_ranks(ranks.in_turn, 2, [(name, getattr(dp_scenarios, name), args) for name, args in scenarios],
+                           timeout_s=480)
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(in_turn):
     """The 2-process training run (sync and async, accumulation, clip, uneven masks, checkpoints, deferred); its
     step-3 optimizer shards are saved for the other tests."""
-    path = str(tmp_path_factory.mktemp("dp") / "optimizer-rank{rank}.pt")
-    reports = run_ranks(dp_scenarios.training_equals_one_process, 2, path, timeout_s=240)
-    return path, reports
+    path, reports = in_turn
+    return path, ran(reports, "training_equals_one_process")
 
 
 def test_two_processes_train_as_one_on_the_global_batch(two_rank_checkpoint):
@@ -70,16 +89,16 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(failures):
     assert first["elapsed"] < first["timeout"] + 5 and first["closed"]
 
 
-def test_mismatched_settings_are_refused_at_construction():
-    for report in run_ranks(dp_scenarios.mismatched_settings, 2, timeout_s=120):
+def test_mismatched_settings_are_refused_at_construction(in_turn):
+    for report in ran(in_turn[1], "mismatched_settings"):
         assert "num_microbatches: rank 0: 2; rank 1: 3" in report["engine"], report
         assert "number of devices: rank 0: 1; rank 1: 2" in report["engine"], report
         assert "torch.optim.adamw.AdamW" in report["optimizer"] and "torch.optim.sgd.SGD" in report["optimizer"]
         assert "LBFGS" in report["lbfgs"] and "element-wise" in report["lbfgs"]
 
 
-def test_a_hugging_face_model_counts_the_labels_of_the_global_batch():
-    run_ranks(dp_scenarios.hugging_face_loss_counts_the_global_batch, 2, timeout_s=180)
+def test_a_hugging_face_model_counts_the_labels_of_the_global_batch(in_turn):
+    ran(in_turn[1], "hugging_face_loss_counts_the_global_batch")
 
 
 def test_the_data_parallel_setting_without_a_process_group(monkeypatch):
@@ -108,16 +127,12 @@ def test_large_collectives_are_cut_into_equal_chunks_covering_each_range():
         assert max(sizes) - min(sizes) <= 1
 
 
-def test_a_mixture_of_experts_aux_loss_counts_the_global_tokens(tmp_path):
-    reference = str(tmp_path / "moe_reference.pt")
-    dp_scenarios.moe_one_process_reference(reference, 2)
-    run_ranks(dp_scenarios.mixture_of_experts_counts_the_global_tokens, 2, reference, timeout_s=180)
+def test_a_mixture_of_experts_aux_loss_counts_the_global_tokens(in_turn):
+    ran(in_turn[1], "mixture_of_experts_counts_the_global_tokens")  # against moe_one_process_reference
 
 
-def test_peft_lora_trains_as_one_process_across_ranks(tmp_path):
-    reference = str(tmp_path / "lora_reference.pt")
-    dp_scenarios.lora_reference(reference)
-    run_ranks(dp_scenarios.lora_counts_the_global_batch, 2, reference, timeout_s=180)
+def test_peft_lora_trains_as_one_process_across_ranks(in_turn):
+    ran(in_turn[1], "lora_counts_the_global_batch")  # against lora_reference
 
 
 def test_a_one_process_engine_loads_every_ranks_shard_as_the_one_process_state(two_rank_checkpoint):
@@ -136,10 +151,10 @@ def test_a_one_process_engine_loads_every_ranks_shard_as_the_one_process_state(t
     engine.close()
 
 
-def test_clips_of_each_ranks_share_are_refused_and_the_l2_clip_is_global():
+def test_clips_of_each_ranks_share_are_refused_and_the_l2_clip_is_global(in_turn):
     """A value clip, another norm type or a clip of some parameters would clip each rank's share of the gradient,
     where DDP clips the global one: refused by name; the L2 clip of every parameter is the global norm."""
-    for report in run_ranks(dp_scenarios.clips_of_rank_shares_are_refused, 2):
+    for report in ran(in_turn[1], "clips_of_rank_shares_are_refused"):
         assert report["world_size"] == 2
         assert report["refused"] == {"clip_grad_value_": True, "clip_grad_norm_ with norm_type=inf": True,
                                      "clip_grad_norm_ that no one engine's optimizer can take": True}, report

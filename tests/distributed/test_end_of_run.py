@@ -10,7 +10,7 @@ import os
 import end_of_run_scenarios
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import run_ranks_side_by_side
 
 RUNS = 10
 
@@ -25,12 +25,11 @@ def saved_weights(directory: str) -> dict[str, torch.Tensor]:
 def trainer_runs(tmp_path_factory):
     """The one-process run on the whole batch, and RUNS two-process runs in one pair of processes (the last one
     recording a trace on every rank through one `ROUNDPIPE_TRACE` path)."""
-    one = run_ranks(end_of_run_scenarios.trainer_runs_then_save, 1, str(tmp_path_factory.mktemp("one")),
-                    timeout_s=240)[0]
     trace = str(tmp_path_factory.mktemp("trace") / "timeline.json")
-    two = run_ranks(end_of_run_scenarios.trainer_runs_then_save, 2, str(tmp_path_factory.mktemp("two")), RUNS, trace,
-                    timeout_s=300)[0]
-    return one[0], two, trace
+    one, two = run_ranks_side_by_side(
+        (end_of_run_scenarios.trainer_runs_then_save, 1, (str(tmp_path_factory.mktemp("one")),), 240),
+        (end_of_run_scenarios.trainer_runs_then_save, 2, (str(tmp_path_factory.mktemp("two")), RUNS, trace), 300))
+    return one[0][0], two[0], trace
 
 
 def test_every_two_process_trainer_run_saves_the_one_process_model(trainer_runs):

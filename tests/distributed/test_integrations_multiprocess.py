@@ -31,7 +31,7 @@ from roundpipe_testing import (  # noqa: E402
     assert_close_lists,
     loop_args,
     loop_losses,
-    run_subprocess,
+    run_subprocesses,
     subprocess_env,
     trainer_args,
     trainer_log,
@@ -59,15 +59,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_process(script: str, argv: list[str], tmp: str) -> None:
-    run_subprocess([sys.executable, "-m", "accelerate_roundpipe.run", script, *argv],
-                   subprocess_env(tmp, ONE_PROCESS_ENV), timeout=300)
+def one_process_run(script: str, argv: list[str], tmp: str) -> tuple[list[str], dict[str, str]]:
+    return ([sys.executable, "-m", "accelerate_roundpipe.run", script, *argv], subprocess_env(tmp, ONE_PROCESS_ENV))
 
 
-def two_processes(script: str, argv: list[str], tmp: str) -> None:
-    run_subprocess([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
-                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "accelerate_roundpipe.run",
-                    script, *argv], subprocess_env(tmp, PER_RANK_ENV), timeout=420)
+def two_processes_run(script: str, argv: list[str], tmp: str) -> tuple[list[str], dict[str, str]]:
+    return ([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
+             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "accelerate_roundpipe.run",
+             script, *argv], subprocess_env(tmp, PER_RANK_ENV))
+
+
+def one_and_two_processes(script: str, one: tuple[list[str], str], two: tuple[list[str], str]) -> None:
+    """The one-process run (argv, tmp) and the two-process run, independent of each other, side by side."""
+    run_subprocesses([one_process_run(script, *one), two_processes_run(script, *two)], timeout=420)
 
 
 def with_batch(argv: list[str], rows: int) -> list[str]:
@@ -94,11 +98,10 @@ def assert_per_rank_optimizer_files(directory: str, name: str) -> None:
 @pytest.fixture(scope="module")
 def loop_runs(assets, tmp_path_factory):
     one = str(tmp_path_factory.mktemp("loop_one"))
-    one_process(LOOP_SCRIPT, with_batch(loop_args(assets, one, STEPS, "--checkpointing_steps", str(SAVE_AT)),
-                                        GLOBAL_BATCH), one)
     two = str(tmp_path_factory.mktemp("loop_two"))
-    two_processes(LOOP_SCRIPT, with_batch(loop_args(assets, two, STEPS, "--checkpointing_steps", str(SAVE_AT)),
-                                          GLOBAL_BATCH // WORLD), two)
+    saving = ("--checkpointing_steps", str(SAVE_AT))
+    one_and_two_processes(LOOP_SCRIPT, (with_batch(loop_args(assets, one, STEPS, *saving), GLOBAL_BATCH), one),
+                          (with_batch(loop_args(assets, two, STEPS, *saving), GLOBAL_BATCH // WORLD), two))
     return one, two
 
 
@@ -115,11 +118,23 @@ def test_accelerate_loop_two_processes_equal_one_process_on_the_whole_batch(loop
     assert {f"random_states_{r}.pkl" for r in range(WORLD)} <= set(os.listdir(checkpoint))
 
 
-def test_accelerate_loop_resumes_each_rank_from_its_shard(assets, loop_runs, tmp_path):
+@pytest.fixture(scope="module")
+def loop_resumes(assets, loop_runs, tmp_path_factory):
+    """The two-process state of `loop_runs` resumed on two processes and on one: independent runs, side by side."""
     _, two = loop_runs
-    resumed = str(tmp_path / "resumed")
-    argv = loop_args(assets, resumed, STEPS, "--resume_from_checkpoint", os.path.join(two, f"step_{SAVE_AT}"))
-    two_processes(LOOP_SCRIPT, with_batch(argv, GLOBAL_BATCH // WORLD), str(tmp_path))
+    on_two, on_one = str(tmp_path_factory.mktemp("loop_resumed_two")), str(tmp_path_factory.mktemp("loop_resumed_one"))
+    checkpoint = os.path.join(two, f"step_{SAVE_AT}")
+
+    def argv(out: str, rows: int) -> list[str]:
+        return with_batch(loop_args(assets, out, STEPS, "--resume_from_checkpoint", checkpoint), rows)
+    run_subprocesses([two_processes_run(LOOP_SCRIPT, argv(on_two, GLOBAL_BATCH // WORLD), on_two),
+                      one_process_run(LOOP_SCRIPT, argv(on_one, GLOBAL_BATCH), on_one)], timeout=420)
+    return on_two, on_one
+
+
+def test_accelerate_loop_resumes_each_rank_from_its_shard(loop_runs, loop_resumes):
+    _, two = loop_runs
+    resumed, _ = loop_resumes
     assert_close_lists(loop_losses(resumed), loop_losses(two)[SAVE_AT:], "resumed vs uninterrupted, loop losses")
 
 
@@ -133,9 +148,9 @@ def trainer_run_args(assets: str, out: str, rows: int, *extra: str) -> list[str]
 def trainer_runs(assets, tmp_path_factory):
     saving = ("--save_strategy", "steps", "--save_steps", str(SAVE_AT))
     one = str(tmp_path_factory.mktemp("trainer_one"))
-    one_process(TRAINER_SCRIPT, trainer_run_args(assets, one, GLOBAL_BATCH, *saving), one)
     two = str(tmp_path_factory.mktemp("trainer_two"))
-    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *saving), two)
+    one_and_two_processes(TRAINER_SCRIPT, (trainer_run_args(assets, one, GLOBAL_BATCH, *saving), one),
+                          (trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *saving), two))
     return one, two
 
 
@@ -158,12 +173,23 @@ def test_trainer_two_processes_equal_one_process_on_the_whole_batch(trainer_runs
     assert {"model.safetensors", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"} <= files
 
 
-def test_trainer_resumes_each_rank_from_its_shard(assets, trainer_runs, tmp_path):
+@pytest.fixture(scope="module")
+def trainer_resumes(assets, trainer_runs, tmp_path_factory):
+    """The resumes of `trainer_runs`' checkpoints, independent runs side by side: the two-process checkpoint on two
+    processes ("two on two") and on one ("two on one"), the one-process checkpoint on two ("one on two")."""
+    one, two = trainer_runs
+    cases = {"two on two": (two, two_processes_run, GLOBAL_BATCH // WORLD), "two on one": (two, one_process_run,
+             GLOBAL_BATCH), "one on two": (one, two_processes_run, GLOBAL_BATCH // WORLD)}
+    outs = {name: str(tmp_path_factory.mktemp("trainer_resumed")) for name in cases}
+    run_subprocesses([launch(TRAINER_SCRIPT, trainer_run_args(assets, outs[name], batch, "--resume_from_checkpoint",
+                                                              os.path.join(source, f"checkpoint-{SAVE_AT}")),
+                             outs[name]) for name, (source, launch, batch) in cases.items()], timeout=420)
+    return outs
+
+
+def test_trainer_resumes_each_rank_from_its_shard(trainer_runs, trainer_resumes):
     _, two = trainer_runs
-    resumed = str(tmp_path / "resumed")
-    checkpoint = os.path.join(two, f"checkpoint-{SAVE_AT}")
-    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, resumed, GLOBAL_BATCH // WORLD, "--resume_from_checkpoint",
-                                                   checkpoint), str(tmp_path))
+    resumed = trainer_resumes["two on two"]
     after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
     assert_close_lists(after, [e["loss"] for e in trainer_log(two) if e["step"] > SAVE_AT], "resumed vs uninterrupted")
 
@@ -174,47 +200,41 @@ def test_trainer_resumes_each_rank_from_its_shard(assets, trainer_runs, tmp_path
 ], ids=["accumulation", "label-smoothing"])
 def test_trainer_loss_scaling_paths(assets, tmp_path, extra):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    one_process(TRAINER_SCRIPT, trainer_run_args(assets, one, GLOBAL_BATCH, *extra), str(tmp_path))
-    two_processes(TRAINER_SCRIPT, trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *extra), str(tmp_path))
+    one_and_two_processes(TRAINER_SCRIPT, (trainer_run_args(assets, one, GLOBAL_BATCH, *extra), str(tmp_path / "1")),
+                          (trainer_run_args(assets, two, GLOBAL_BATCH // WORLD, *extra), str(tmp_path / "2")))
     ours, theirs = trainer_log(two), trainer_log(one)
     assert_close_lists([e["loss"] for e in ours], [e["loss"] for e in theirs], f"losses with {' '.join(extra)}")
     assert_close_lists([e["grad_norm"] for e in ours], [e["grad_norm"] for e in theirs], "grad norms")
     assert_same_weights(two, one)
 
 
-def _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by: int) -> None:
+def _resume_with_another_world_size(trainer_runs, trainer_resumes, written_by: int) -> None:
     """A Trainer checkpoint written by `written_by` processes, resumed by the other count, ends as the uninterrupted
     run of that count does."""
     one, two = trainer_runs
-    source, target, launch, batch = ((two, one, one_process, GLOBAL_BATCH) if written_by == WORLD else
-                                     (one, two, two_processes, GLOBAL_BATCH // WORLD))
-    resumed = str(tmp_path / "resumed")
-    checkpoint = os.path.join(source, f"checkpoint-{SAVE_AT}")
-    launch(TRAINER_SCRIPT, trainer_run_args(assets, resumed, batch, "--resume_from_checkpoint", checkpoint),
-           str(tmp_path))
+    target, resumed = ((one, trainer_resumes["two on one"]) if written_by == WORLD else
+                       (two, trainer_resumes["one on two"]))
     after = [e["loss"] for e in trainer_log(resumed) if e["step"] > SAVE_AT]
     assert_close_lists(after, [e["loss"] for e in trainer_log(target) if e["step"] > SAVE_AT],
                        f"resumed from a checkpoint of {written_by} process(es)")
     assert_same_weights(resumed, target)
 
 
-def test_trainer_resumes_a_two_process_checkpoint_on_one_process(assets, trainer_runs, tmp_path):
+def test_trainer_resumes_a_two_process_checkpoint_on_one_process(trainer_runs, trainer_resumes):
     # [Note: shards of another world size]: the two ranks' optimizer shards join into the one-process state, so the
     # resumed run ends as the uninterrupted one-process run (a fresh AdamW state would not).
-    _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by=WORLD)
+    _resume_with_another_world_size(trainer_runs, trainer_resumes, written_by=WORLD)
 
 
-def test_trainer_resumes_a_one_process_checkpoint_on_two_processes(assets, trainer_runs, tmp_path):
+def test_trainer_resumes_a_one_process_checkpoint_on_two_processes(trainer_runs, trainer_resumes):
     # The reverse: each rank cuts its range from the one-process optimizer state.
-    _resume_with_another_world_size(assets, trainer_runs, tmp_path, written_by=1)
+    _resume_with_another_world_size(trainer_runs, trainer_resumes, written_by=1)
 
 
-def test_accelerate_loop_resumes_a_two_process_state_on_one_process(assets, loop_runs, tmp_path):
+def test_accelerate_loop_resumes_a_two_process_state_on_one_process(loop_runs, loop_resumes):
     # [Note: shards of another world size], through `accelerator.load_state`.
-    one, two = loop_runs
-    resumed = str(tmp_path / "resumed")
-    argv = loop_args(assets, resumed, STEPS, "--resume_from_checkpoint", os.path.join(two, f"step_{SAVE_AT}"))
-    one_process(LOOP_SCRIPT, with_batch(argv, GLOBAL_BATCH), str(tmp_path))
+    one, _ = loop_runs
+    _, resumed = loop_resumes
     # The losses of the two steps after the checkpoint: the second follows the first update, made with the joined
     # AdamW state. Later ones differ by the script's own doing: its LR scheduler is stepped num_processes times a
     # step over num_processes times the steps, so the two-process scheduler state is two steps a step on one.

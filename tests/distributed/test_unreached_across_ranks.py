@@ -7,17 +7,28 @@ processes over gloo, against plain torch on the global batch."""
 from __future__ import annotations
 
 import pytest
+import ranks
 import unreached_scenarios
 from ranks import run_ranks
 
+SETTINGS = {"exact": {}, "exact clipped": {"clip": 0.5}, "lagged clipped": {"async_optimizer": True, "clip": 0.5},
+            "host": {"optimizer_placement": "host"}}
 
-@pytest.mark.parametrize("settings", [{}, {"clip": 0.5}, {"async_optimizer": True, "clip": 0.5},
-                                      {"optimizer_placement": "host"}],
-                         ids=["exact", "exact clipped", "lagged clipped", "host"])
-def test_parameters_reached_by_some_ranks_or_none(settings):
-    expected = unreached_scenarios.one_process_weights(2, settings)
-    reports = run_ranks(unreached_scenarios.trains_as_one_process, 2, settings, expected, timeout_s=150)
-    assert all(report["weights"] == sorted(expected) for report in reports)
+
+@pytest.fixture(scope="module")
+def in_turn():
+    """Every case's expected weights, and its two-rank run: the cases in turn on one pair of processes (one start
+    for all); each test reads its own (`ranks.ran`)."""
+    expected = {case: unreached_scenarios.one_process_weights(2, settings) for case, settings in SETTINGS.items()}
+    calls = [(case, unreached_scenarios.trains_as_one_process, (settings, expected[case]))
+             for case, settings in SETTINGS.items()]
+    return expected, run_ranks(ranks.in_turn, 2, calls, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", list(SETTINGS))
+def test_parameters_reached_by_some_ranks_or_none(in_turn, case):
+    expected, reports = in_turn
+    assert all(report["weights"] == sorted(expected[case]) for report in ranks.ran(reports, case))
 
 
 def test_the_flags_cover_each_case():

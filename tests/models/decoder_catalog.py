@@ -82,6 +82,10 @@ OVERRIDES: dict[str, dict] = {
     "phimoe": {"router_jitter_noise": 0.0, "input_jitter_noise": 0.0},
     # Without per-layer input embeddings, which the split refuses (tests/models/test_decoder_catalog.py).
     "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 0},
+    # Mamba-2 mixers of a few small heads (their defaults, 128 heads of a 256-wide state, made each float64 parity
+    # check take 20 s in the reference PyTorch scan); granitemoehybrid's heads x head size is 2 x hidden_size.
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8),
+    "granitemoehybrid": dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8),
 }
 # The families issue 15 names, also run through the engine (two CPU workers, two micro-batches).
 ENGINE_CHECKED = ("gpt2", "opt", "gpt_neox", "falcon", "bloom", "starcoder2", "cohere", "granite", "gptj", "phi",
