@@ -81,6 +81,8 @@ def test_a_host_without_room_for_the_saved_inputs_runs_fewer_backward_stages(mon
         sizing = engine._microbatches.sizing
         # 8 layers in stages of 4: the fused stage and the bottom one, which saves the caller's token ids only
         assert sizing.stage_layers == 4 and "backward stages of 4 layers" in sizing.reason()
+        assert sizing.stages_reason(8).startswith(  # the start summary's words: 6 decoder inputs of 8 x 32 x 16 x 8 B
+            "backward stages of 4 layers on the first pass: one-layer stages would keep 6 layer inputs of 32.000 KiB")
         assert engine.partition == sizing.partition == regrouped_partition(8, 4)
         assert engine.partition.saved_input_layers("stage") - {0} == frozenset()
         _check(first, reference)
@@ -101,6 +103,7 @@ def test_a_host_with_room_keeps_the_one_layer_stages_and_a_users_stages_are_kept
     try:
         engine.forward_backward(input_ids=ids, labels=ids)
         assert engine._microbatches.sizing.stage_layers == 1 and engine._microbatches.sizing.partition is None
+        assert engine._microbatches.sizing.stages_reason(8) is None
         engine.synchronize()
     finally:
         engine.close()

@@ -52,6 +52,8 @@ class FirstPassSizing:
     per_row: RowActivations
     stage_layers: int = 1  # layers a backward stage of the first pass ([Note: first-pass backward stages])
     partition: Partition | None = None  # the first pass's, when regrouped; None: the engine's unplanned one
+    input_bytes: int = 0  # one saved layer input of the batch (rows x tokens x hidden x the dtype's size)
+    host_room_bytes: float = 0.0  # what the saved inputs may take of host memory ([Note: first-pass backward stages])
 
     @property
     def raised(self) -> bool:
@@ -60,6 +62,14 @@ class FirstPassSizing:
     def micro_batch_bytes(self, count: int | None = None) -> int:
         """The estimate for one micro-batch of the largest size at `count` micro-batches (default: the chosen)."""
         return math.ceil(self.rows / (count or self.count)) * self.per_row.total_bytes * self.stage_layers
+
+    def stages_reason(self, num_layers: int) -> str | None:
+        """Why the first pass's backward stages hold several layers, for the start summary; None when they do not."""
+        if self.stage_layers == 1:
+            return None
+        return (f"backward stages of {self.stage_layers} layers on the first pass: one-layer stages would keep "
+                f"{saved_stage_inputs(num_layers, 1)} layer inputs of {format_bytes(self.input_bytes)}, more than the "
+                f"{format_bytes(self.host_room_bytes)} of host memory allowed them")
 
     def reason(self) -> str:
         """Why the count, for the start summary: the estimate's largest part per row, and the room left."""
@@ -71,15 +81,16 @@ class FirstPassSizing:
 
 
 def size_first_pass(per_row: RowActivations, rows: int, seq_len: int, default_count: int, free_bytes: float,
-                    choices: Sequence[int], stage_layers: int = 1,
-                    partition: Partition | None = None) -> FirstPassSizing:
+                    choices: Sequence[int], stage_layers: int = 1, partition: Partition | None = None,
+                    input_bytes: int = 0, host_room_bytes: float = 0.0) -> FirstPassSizing:
     """The smallest count of `choices` (or `rows`) from `default_count` up to `rows` whose micro-batch, through
     backward stages of `stage_layers` layers, fits `free_bytes` ([Note: first-pass micro-batches])."""
     default = min(default_count, rows)
     candidates = sorted({c for c in (*choices, rows) if default <= c <= rows} | {default})
     count = next((c for c in candidates if math.ceil(rows / c) * per_row.total_bytes * stage_layers <= free_bytes),
                  candidates[-1])
-    return FirstPassSizing(rows, seq_len, default, count, free_bytes, per_row, stage_layers, partition)
+    return FirstPassSizing(rows, seq_len, default, count, free_bytes, per_row, stage_layers, partition, input_bytes,
+                           host_room_bytes)
 
 
 SAVED_HOST_SHARE = 0.25  # of the host memory available at the first sizing ([Note: first-pass backward stages])

@@ -51,7 +51,9 @@ def _microbatches(snapshot: EngineSnapshot) -> str:
         if snapshot.microbatches_per_round is not None
         else "all in one round"
     )
-    return f"{count}, {rounds}"
+    stages = sizing.stages_reason(snapshot.layers) if sizing is not None and snapshot.num_microbatches is None \
+        else None  # [Note: first-pass backward stages]
+    return f"{count}, {rounds}" + (f"; {stages}" if stages else "")
 
 
 def replanned_line(partition: Partition) -> str:

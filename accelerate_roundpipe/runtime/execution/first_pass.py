@@ -67,16 +67,16 @@ class FirstPassSizer:
             budget = self.host_bytes()
         return budget * PLAN_SHARE - (self.stage_bytes if stage_bytes is None else stage_bytes)
 
-    def _stage_layers(self, per_row: RowActivations, rows: int, seq_len: int) -> tuple[int, Partition]:
+    def _stage_layers(self, per_row: RowActivations, rows: int, seq_len: int) -> tuple[int, Partition, int, float]:
         """The backward stages' layers for a batch, and the partition they make: the fewest whose saved inputs fit
         the host's share, never more than one row can fit ([Note: first-pass backward stages])."""
         if not self.regroup or self.partition.num_layers < 3:
-            return 1, self.partition
+            return 1, self.partition, 0, 0.0
         num_layers = self.partition.num_layers
         try:
             hidden = shape_from_config(self.model_config).hidden_size
         except ValueError:
-            return 1, self.partition
+            return 1, self.partition, 0, 0.0
         input_bytes = rows * seq_len * hidden * self.element_size
         kept = 0 if self.saved_on_host else self.plan.keep_limit_bytes
         room = self.host_bytes() * SAVED_HOST_SHARE + kept
@@ -88,7 +88,7 @@ class FirstPassSizer:
             chosen = k, partition
             if saved_stage_inputs(num_layers, k) * input_bytes <= room:
                 break
-        return chosen
+        return (*chosen, input_bytes, room)
 
     def size(self, rows: int, seq_len: int, default_count: int) -> FirstPassSizing | None:
         """The sizing of a batch of `rows` x `seq_len` tokens; None without a decoder config to estimate from."""
@@ -100,8 +100,8 @@ class FirstPassSizer:
             if per_row is None:
                 self._sizings[key] = None
             else:
-                layers, partition = self._stage_layers(per_row, rows, seq_len)
+                layers, partition, input_bytes, room = self._stage_layers(per_row, rows, seq_len)
                 self._sizings[key] = size_first_pass(
                     per_row, rows, seq_len, default_count, self.free_bytes(self._stage_bytes(partition)),
-                    MICROBATCH_CHOICES, layers, None if layers == 1 else partition)
+                    MICROBATCH_CHOICES, layers, None if layers == 1 else partition, input_bytes, room)
         return self._sizings[key]
