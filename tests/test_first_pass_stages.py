@@ -137,3 +137,31 @@ def test_one_row_of_the_stage_must_fit_the_device(monkeypatch):
         assert sizing.stage_layers == 2 and sizing.partition == two_layers
     finally:
         engine.close()
+
+
+def test_the_accelerate_path_runs_the_regrouped_stages_exactly(monkeypatch):
+    """The Trainer's and Accelerate's way: `model(...)` kept for a backward, then `accelerator.backward(loss)`; the
+    forward pass is sized, and regrouped, as `forward_backward` is."""
+    from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
+    from accelerate_roundpipe.integrations.accelerator import RoundPipeAccelerator
+    from accelerate_roundpipe.integrations.plugin import RoundPipePlugin
+
+    monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
+    model = _model()
+    ids = _batch()
+    ref_loss, ref_grads = _reference(model, ids)
+    reset_accelerate_state()
+    accelerator = RoundPipeAccelerator(
+        roundpipe_plugin=RoundPipePlugin(devices=["cpu", "cpu"], plan="measured", summary=False))
+    prepared, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    engine = accelerator.roundpipe_engine(prepared)
+    try:
+        logits = prepared(input_ids=ids).logits
+        assert engine._microbatches.sizing.stage_layers == 4 and engine.partition == regrouped_partition(8, 4)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        accelerator.backward(loss)
+        engine.synchronize()
+        _check((loss.detach(), {name: p.grad.clone() for name, p in engine.named_parameters()}), (ref_loss, ref_grads))
+    finally:
+        engine.close()
+        reset_accelerate_state()
