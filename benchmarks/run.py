@@ -131,10 +131,7 @@ def run_one(workload: str, system: str, seq: int, config: RoundPipeConfig, warm:
                         build_s=round(time.perf_counter() - started, 1), build_host_peak_gib=host_peak_gib())
         batch = make_batch(w.shape.vocab_size, w.global_batch, seq)
         extra = {"logging_steps": logging_steps, "max_grad_norm": max_grad_norm} if trainer else {}
-        if w.accumulation > 1:
-            if system != "roundpipe-engine":
-                raise ValueError(f"workload {workload} accumulates {w.accumulation} calls a step; only "
-                                 f"--system roundpipe-engine runs accumulation.")
+        if w.accumulation > 1:  # only the engine runner accumulates (checked in `main` before anything is built)
             extra["accumulation"] = w.accumulation
         result = RUNNERS[system](model, config, batch, warm, iters, lr, **extra)
     except Exception as error:  # noqa: BLE001 -- a failed configuration is a result too
@@ -251,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     w = WORKLOADS[args.workload]
+    if w.accumulation > 1 and args.system != "roundpipe-engine":
+        raise SystemExit(f"workload {args.workload} accumulates {w.accumulation} calls a step; only --system "
+                         f"roundpipe-engine runs accumulation.")
     seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else list(w.seqs)
     devices = args.devices.split(",") if args.devices else (["cuda:0"] if torch.cuda.is_available() else ["cpu"])
     memory_cap(w.cap_gib)

@@ -140,3 +140,10 @@ def test_engine_accumulation_equals_one_call_over_the_batch():
     assert results[2]["losses"][2] < results[2]["losses"][0]  # it trained: the step saw the accumulated gradients
     with pytest.raises(ValueError, match="divide the batch's 4 rows"):
         RUNNERS["roundpipe-engine"](tiny_model(), RoundPipeConfig(devices=["cpu"]), batch, 0, 1, accumulation=3)
+
+
+def test_an_accumulating_workload_refuses_another_runner_before_anything_is_built(tmp_path):
+    with pytest.raises(SystemExit, match="only --system roundpipe-engine runs accumulation"):
+        run.main(["--workload", "qwen3-4b-full-s4096-b64-cap24", "--system", "roundpipe-trainer",
+                  "--out", str(tmp_path / "ours.jsonl")])
+    assert not (tmp_path / "ours.jsonl").exists()

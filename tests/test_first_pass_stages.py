@@ -96,7 +96,7 @@ def test_a_host_without_room_for_the_saved_inputs_runs_fewer_backward_stages(mon
         engine.close()
 
 
-def test_a_host_with_room_keeps_the_one_layer_stages_and_a_users_stages_are_kept():
+def test_a_host_with_room_keeps_the_one_layer_stages_and_a_users_stages_are_kept(monkeypatch):
     model = _model()
     ids = _batch()
     engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
@@ -110,12 +110,8 @@ def test_a_host_with_room_keeps_the_one_layer_stages_and_a_users_stages_are_kept
     given = RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static", backward_stages=[1] * 8)
     engine = wrap_model(_model(), given)
     try:
-        first_pass_share = first_pass.SAVED_HOST_SHARE
-        first_pass.SAVED_HOST_SHARE = 0.0
-        try:
-            engine.forward_backward(input_ids=ids, labels=ids)
-        finally:
-            first_pass.SAVED_HOST_SHARE = first_pass_share
+        monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)  # no room: still the stages the user set
+        engine.forward_backward(input_ids=ids, labels=ids)
         assert engine.partition == engine._launch.unplanned and len(engine.partition.backward) == 8
         engine.synchronize()
     finally:

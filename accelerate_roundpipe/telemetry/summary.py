@@ -51,8 +51,7 @@ def _microbatches(snapshot: EngineSnapshot) -> str:
         if snapshot.microbatches_per_round is not None
         else "all in one round"
     )
-    stages = sizing.stages_reason(snapshot.layers) if sizing is not None and snapshot.num_microbatches is None \
-        else None  # [Note: first-pass backward stages]
+    stages = sizing.stages_reason(snapshot.layers) if sizing is not None else None  # [Note: first-pass backward stages]
     return f"{count}, {rounds}" + (f"; {stages}" if stages else "")
 
 

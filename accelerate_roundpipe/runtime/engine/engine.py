@@ -194,8 +194,7 @@ class RoundPipe(HostResidentModule):
             self._before_pass(inputs)
             self._launch.follow_user_layers(training=True)
             inputs = tensor_tuple(inputs, "forward_backward inputs")
-            rows, num_mb, mb_inputs = self._microbatches.split(inputs)
-            self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
+            rows, num_mb, mb_inputs = self._split(inputs)
             mb_labels = split_rows(tensor_tuple(labels, "labels"), num_mb) if labels is not None else [None] * num_mb
             mb_rows = [x[0].shape[0] for x in mb_inputs]
             totals = loss_count_totals(mb_rows, mb_labels, counted_labels)
@@ -286,8 +285,7 @@ class RoundPipe(HostResidentModule):
     def _forward_pieces(self, inputs: tuple, keep_for_backward: bool) -> tuple[Any, Any, list[tuple]]:
         self._before_pass(inputs)
         inputs = tensor_tuple(inputs, "forward inputs")
-        rows, num_mb, mb_inputs = self._microbatches.split(inputs, strict=False)
-        self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
+        rows, num_mb, mb_inputs = self._split(inputs, strict=False)
         adapter_setting = self._launch.follow_user_layers(training=keep_for_backward)
         plan, results = self._launch.forward_pass(self._modules["module"].training, mb_inputs, inputs,
                                                   keep_for_backward, adapter_setting)
@@ -464,6 +462,13 @@ class RoundPipe(HostResidentModule):
                                self._placement, self.data_parallel, self._store, self.summary_notes,
                                self._microbatches.sizing)
 
+    def _split(self, inputs: tuple, strict: bool = True) -> tuple[int, int, list[tuple]]:
+        """The pass's micro-batches, and the partition an unplanned pass of their shape runs
+        ([Note: first-pass backward stages]; the sizing is None when `num_microbatches` is set)."""
+        split = self._microbatches.split(inputs, strict)
+        self._launch.size_unplanned(self._microbatches.sizing)
+        return split
+
     def _before_pass(self, inputs: Any) -> None:
         self.follow_weight_edits()
         self._frozen_edits.follow()  # before this pass's tasks are queued
@@ -472,7 +477,7 @@ class RoundPipe(HostResidentModule):
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
             self._microbatches.size_before_start(inputs)  # the summary says why the first pass has its count
-            self._launch.size_unplanned(self._microbatches.sizing if self.config.num_microbatches is None else None)
+            self._launch.size_unplanned(self._microbatches.sizing)  # and shows the partition it runs
             announce(engine_summary(self.snapshot()), self.config.resolved_summary)
 
     # ------------------------------------------------------------------ nn.Module behaviour

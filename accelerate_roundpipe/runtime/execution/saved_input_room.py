@@ -25,7 +25,6 @@ from ..disk import available_memory_bytes
 logger = logging.getLogger(__name__)
 
 
-
 class SavedInputRoom:
     """Checks each new pass shape's saved inputs against the host's available memory; `model_config` None (not a
     Hugging Face decoder) checks nothing."""
