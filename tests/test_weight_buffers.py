@@ -73,3 +73,25 @@ def test_a_reused_buffer_uploaded_into_without_the_wait_is_refused(monkeypatch):
         chain.append(error)
         error = error.__cause__ or error.__context__
     assert any(isinstance(e, StreamOrderError) and "reused buffer" in str(e) for e in chain), chain
+
+
+def test_no_idle_buffer_is_held_while_a_task_computes(monkeypatch):
+    """[Note: idle buffers given back at the prefetch]: what the next task's prefetch does not take of the idle
+    buffers goes back before the running task computes (the plan sizes activations without them), and buffers are
+    still reused."""
+    from accelerate_roundpipe.runtime.execution.residency import ParamResidency
+
+    monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
+    idle_while_computing, pools = [], set()
+    real_await = ParamResidency.await_layer
+
+    def await_layer(self, params, layer_index):
+        real_await(self, params, layer_index)
+        if not params.unissued:  # the prefetch, deferred until the running task's uploads are issued, has run
+            idle_while_computing.append(self.buffers.idle_bytes)
+        pools.add(self.buffers)
+
+    monkeypatch.setattr(ParamResidency, "await_layer", await_layer)
+    train("hand-stage", steps=3)  # forward stages of 2 and 3 layers, backward stages of 2, 3 and 4
+    assert idle_while_computing and max(idle_while_computing) == 0
+    assert sum(pool.reused for pool in pools) > 0

@@ -345,11 +345,19 @@ class ParamResidency:
         running task's last upload is issued. The next task cannot compute before the running one anyway.
 
         `following`, the job after `job`, is prefetched too when the device's memory allows it
-        ([Note: shared frozen weights])."""
+        ([Note: shared frozen weights]).
+
+        Then the idle weight buffers go back to the allocator ([Note: idle buffers given back at the prefetch])."""
         if running is not None and running.unissued:  # `take` has just issued what of it was written
             self._deferred, self._deferred_following = job, following
             return
         self._deferred = self._deferred_following = None
+        try:
+            self._prefetch_next(job, following)
+        finally:
+            self.buffers.clear()
+
+    def _prefetch_next(self, job: TaskJob | None, following: TaskJob | None) -> None:
         if job is None or not job.read_tickets:
             return
         if id(job) not in self._prefetched:
@@ -359,9 +367,8 @@ class ParamResidency:
             self._issue(params)
             self._prefetched[id(job)] = params
         room = self._look_ahead_room(following, behind=self._prefetched[id(job)]) if following is not None else 0
-        if room > 0:
+        if room > 0:  # the room counted the idle buffers free: what the look-ahead does not take goes back
             params = self._allocate(following, room)
-            self.buffers.clear()  # what it did not take goes back to the allocator: the room counted it free
             self._issue(params)
             self._prefetched[id(following)] = params
             self.looked_ahead += 1

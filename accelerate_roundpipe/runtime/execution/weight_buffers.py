@@ -18,6 +18,16 @@ upload of task k+2 starts the moment task k is done, while task k+1 computes. A 
 task held the last reference to its memory (a tensor still viewing it, such as an autograd graph kept past the
 task, leaves it to the caching allocator as before). Idle buffers stay at most `IDLE_TASKS` task ends and at most
 the size of the largest task seen, so memory a pass no longer asks for goes back to the caching allocator.
+
+[Note: idle buffers given back at the prefetch]
+The one use of an idle buffer is the next task's allocation, made when a task starts and prefetches the next
+(`ParamResidency.prefetch`). Whatever that prefetch (and its look-ahead) does not take goes back to the caching
+allocator right after it, so no idle buffer is held while the running task computes: the measured plan sizes a
+stage's activations in the memory the stages' weights leave, and knows nothing of buffers kept for later. Kept
+until they aged out, the buffers of a 22-layer forward stage (4.2 GiB, 20 of its 22 layer buffers not taken by the
+fused stage after it) sat idle while that fused stage computed, and Qwen3-4B's full fine-tune at b8 under a 24 GiB
+cap, which trained at 20.9 GiB before buffers were reused, ran out of memory on its second pass (an H100,
+ef07843: 22.9 GiB allocated, 594 MiB asked).
 """
 
 from __future__ import annotations
