@@ -8,13 +8,16 @@ the device, look-ahead prefetch). Accumulation N runs N calls of rows/N a step, 
     python benchmarks/call_memory.py --workload qwen3-4b-full-s4096-b8-cap24 --call-rows 8 --accumulation 1,2 \
         --steps 2 --out DIR/call_memory.jsonl
 
-Synchronizing every call slows the run: take speeds from `run.py`, not from here.
+Each accumulation count runs in its own process (an engine closed after an out-of-memory error still held its
+device state in the one-process version). Synchronizing every call slows the run: take speeds from `run.py`, not
+from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,7 +98,7 @@ def run(workload: str, call_rows: int, accumulation: int, steps: int, extra: dic
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     parser.add_argument("--call-rows", type=int, required=True, help="rows a call")
@@ -103,11 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--roundpipe", nargs="*", default=[], help="KEY=VALUE RoundPipeConfig settings")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    counts = [int(a) for a in args.accumulation.split(",")]
+    if len(counts) > 1:  # each count in its own process: a closed engine's device memory is not this run's
+        for count in counts:
+            subprocess.run([sys.executable, __file__, "--workload", args.workload, "--call-rows", str(args.call_rows),
+                            "--accumulation", str(count), "--steps", str(args.steps), "--out", args.out,
+                            "--roundpipe", *args.roundpipe], check=True)
+        return
     extra = dict(item.split("=", 1) for item in args.roundpipe)
     memory_cap(WORKLOADS[args.workload].cap_gib)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for accumulation in (int(a) for a in args.accumulation.split(",")):
+    for accumulation in counts:
         record = run(args.workload, args.call_rows, accumulation, args.steps, extra)
         print("CALL_MEMORY", json.dumps({k: v for k, v in record.items() if k != "calls"}), flush=True)
         with open(args.out, "a") as f:

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import gc
 import importlib.metadata
+import math
 import os
 import statistics
 import sys
@@ -196,6 +197,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-buffer-reuse", action="store_true", help="every task's parameter buffers back to "
                         "torch's caching allocator at its end, as before [Note: weight buffers reused], to measure "
                         "the two beside each other")
+    parser.add_argument("--keep-idle-buffers", action="store_true", help="idle weight buffers kept until they age "
+                        "out, as before [Note: idle buffers given back at the prefetch], to measure the two beside "
+                        "each other")
+    parser.add_argument("--one-layer-first-pass", action="store_true", help="the unplanned first pass with one-layer "
+                        "backward stages whatever its saved inputs take of the host, as before [Note: first-pass "
+                        "backward stages], to measure the two beside each other")
     parser.add_argument("--host-available-gib", type=float, default=None, help="emulate a smaller host: a child "
                         "process holds memory so that about this many GiB stay available (benchmarks/host_ballast.py; "
                         "the disk tier's runs, whose swap files the page cache would otherwise hold)")
@@ -283,6 +290,14 @@ def main(argv: list[str] | None = None) -> None:
                 from accelerate_roundpipe.runtime.execution import weight_buffers
 
                 weight_buffers.IDLE_TASKS = 0  # no buffer outlives the task end that gives it back
+            if args.keep_idle_buffers:
+                from accelerate_roundpipe.runtime.execution import residency
+
+                residency.GIVE_BACK_IDLE_AT_PREFETCH = False
+            if args.one_layer_first_pass:
+                from accelerate_roundpipe.runtime.execution import first_pass
+
+                first_pass.SAVED_HOST_SHARE = math.inf  # every layer input fits: one-layer stages
             with host_ballast(args.host_available_gib) as ballast:
                 record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                                  args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
@@ -293,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
             variant = [name for flag, name in ((args.peft_lora_adds, "peft-lora-adds"),
                                                (args.peft_merged_experts, "peft-merged-experts"),
                                                (args.whole_bucket_uploads, "whole-bucket-uploads"),
-                                               (args.no_buffer_reuse, "no-buffer-reuse")) if flag]
+                                               (args.no_buffer_reuse, "no-buffer-reuse"),
+                                               (args.keep_idle_buffers, "keep-idle-buffers"),
+                                               (args.one_layer_first_pass, "one-layer-first-pass")) if flag]
             if variant:  # the record says which computation it measured
                 record["variant"] = variant
                 record["system"] = "-".join([record["system"] or args.system, *variant])

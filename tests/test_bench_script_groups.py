@@ -115,3 +115,26 @@ def test_lora_adds_groups_run_each_computation_in_turn(tmp_path):
         ("llama3.1-8b-lora-s4096-b8-cap24", False), ("llama3.1-8b-lora-s4096-b8-cap24", True),
         ("qwen3-32b-lora-s4096-b8-cap24", False), ("qwen3-32b-lora-s4096-b8-cap24", True)]
     assert any(c.startswith(".anchors/ingpu.py --liger --model llama3.1-8b") for c in calls)
+
+
+def test_the_32b_ab_group_runs_the_default_then_each_change_taken_out(tmp_path):
+    done, calls, log = bench(tmp_path, "dense-32b-cap24-ab")
+    assert done.returncode == 0, done.stderr
+    ours = [run.parse_args(c.split()[1:]) for c in calls if c.startswith("benchmarks/run.py ")]
+    assert [(a.workload, a.warm, a.iters) for a in ours] == [("qwen3-32b-lora-s4096-b8-cap24", 2, 3)] * 3
+    assert [(a.one_layer_first_pass, a.keep_idle_buffers) for a in ours] == [(False, False), (True, False),
+                                                                             (False, True)]
+    assert all(a.roundpipe == {} for a in ours)  # the engine's defaults otherwise
+    assert sum(int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3", log, re.M)) <= 585  # one call
+
+
+def test_the_call_memory_group_runs_each_count(tmp_path):
+    from benchmarks import call_memory
+
+    done, calls, _ = bench(tmp_path, "call-memory")
+    assert done.returncode == 0, done.stderr
+    command = calls[0].split()
+    assert command[0] == "benchmarks/call_memory.py"
+    args = call_memory.parse_args(command[1:])  # a command line its own parser takes
+    assert (args.workload, args.call_rows, args.accumulation, args.steps) == (
+        "qwen3-4b-full-s4096-b8-cap24", 8, "1,8", 3)

@@ -7,7 +7,8 @@
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
-# moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, disk-cap24,
+# moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
+# call-memory, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
@@ -28,6 +29,7 @@ WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile ke
 WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
+WORKLOADS+=" dense-32b-cap24-ab call-memory"
 WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
@@ -266,6 +268,17 @@ run_ours() {
     ours 240 gpt-oss-20b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 --nms 8 ;;
   dense-32b-cap24)  # Qwen3-32B LoRA on every linear, the same way
     ours 240 qwen3-32b-lora-s4096-b8-cap24 roundpipe-engine --warm 1 --iters 2 ;;
+  dense-32b-cap24-ab)  # the 32B at 2,005 tok/s at d4de784 against 2,479 at 3e3b28b: the default with 2 warm-up
+    # steps (the first timed step is no longer the new plan's first pass), then without the first-pass regroup,
+    # then with idle weight buffers kept as before
+    w=qwen3-32b-lora-s4096-b8-cap24
+    ours 185 $w roundpipe-engine --warm 2 --iters 3
+    ours 185 $w roundpipe-engine --warm 2 --iters 3 --one-layer-first-pass
+    ours 185 $w roundpipe-engine --warm 2 --iters 3 --keep-idle-buffers ;;
+  call-memory)  # GPU memory at every call boundary beside the measured plan's stage bytes (benchmarks/call_memory.py):
+    # Qwen3-4B full b8 under the cap, one call a step and 8 calls a step, each in its own process
+    step 200 python3 benchmarks/call_memory.py --workload qwen3-4b-full-s4096-b8-cap24 --call-rows 8 \
+      --accumulation 1,8 --steps 3 --out "$OUT/call_memory.jsonl" ;;
   disk-cap24)  # the disk tier under the 24 GiB cap: Qwen3-4B full fine-tune, exact step, with host_memory_budget=24
     # (optimizer copies and states past it in swap files), then the same run with nothing on disk (the default
     # budget); the engine's placement otherwise (auto: some state on the GPU). Each record holds the disk's probe.

@@ -125,6 +125,9 @@ class BindPlan:
                 binding.slot_index)
 
 
+# [Note: idle buffers given back at the prefetch]; benchmarks/run.py --keep-idle-buffers turns it off (the buffers
+# kept until they age out, as before) to measure the two beside each other
+GIVE_BACK_IDLE_AT_PREFETCH = True
 LOOK_AHEAD_PENDING_SHARE = 0.25  # of a prefetched task's parameter bytes, at most, still to upload for a look-ahead
 
 
@@ -355,7 +358,8 @@ class ParamResidency:
         try:
             self._prefetch_next(job, following)
         finally:
-            self.buffers.clear()
+            if GIVE_BACK_IDLE_AT_PREFETCH:
+                self.buffers.clear()
 
     def _prefetch_next(self, job: TaskJob | None, following: TaskJob | None) -> None:
         if job is None or not job.read_tickets:
@@ -369,6 +373,7 @@ class ParamResidency:
         room = self._look_ahead_room(following, behind=self._prefetched[id(job)]) if following is not None else 0
         if room > 0:  # the room counted the idle buffers free: what the look-ahead does not take goes back
             params = self._allocate(following, room)
+            self.buffers.clear()
             self._issue(params)
             self._prefetched[id(following)] = params
             self.looked_ahead += 1
