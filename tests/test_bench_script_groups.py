@@ -138,3 +138,12 @@ def test_the_call_memory_group_runs_each_count(tmp_path):
     args = call_memory.parse_args(command[1:])  # a command line its own parser takes
     assert (args.workload, args.call_rows, args.accumulation, args.steps) == (
         "qwen3-4b-full-s4096-b8-cap24", 8, "1,8", 3)
+
+
+def test_the_moe_idle_buffers_ab_group_runs_the_default_then_the_buffers_kept(tmp_path):
+    done, calls, _ = bench(tmp_path, "moe-cap24-idle-ab")
+    assert done.returncode == 0, done.stderr
+    ours = [run.parse_args(c.split()[1:]) for c in calls if c.startswith("benchmarks/run.py ")]
+    assert [(a.workload, a.keep_idle_buffers, a.roundpipe) for a in ours] == [
+        ("qwen3-30b-a3b-lora-s4096-b8-cap24", False, {}), ("qwen3-30b-a3b-lora-s4096-b8-cap24", True, {})]
+    assert ours[0].trace_dir != ours[1].trace_dir  # the two traces apart
