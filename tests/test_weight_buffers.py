@@ -98,3 +98,57 @@ def test_no_idle_buffer_is_held_while_a_task_computes(monkeypatch, give_back):
     train("hand-stage", steps=3)  # forward stages of 2 and 3 layers, backward stages of 2, 3 and 4
     assert idle_while_computing and (max(idle_while_computing) == 0) == give_back
     assert sum(pool.reused for pool in pools) > 0
+
+
+def test_trimming_gives_back_the_oldest_idle_buffers_first():
+    pool = WeightBuffers()
+    large, old, middle, new = torch.empty(64), torch.empty(4), torch.empty(8), torch.empty(4)
+    view = large[1:]  # a larger task seen, its buffer kept by a view: the size limit leaves the three below
+    pool.give([large], "e0")
+    pool.give([old], "e1")
+    pool.give([middle], "e2")
+    pool.give([new], "e3")
+    pool.trim_to(12 * 4)  # room for 12 floats: the oldest (4) goes, the other two stay
+    assert pool.idle_bytes == 12 * 4
+    assert pool.take(4, torch.float32)[0] is new and pool.take(8, torch.float32)[0] is middle
+    pool.give([torch.empty(4)], "e4")
+    pool.trim_to(0)
+    assert pool.idle_bytes == 0 and pool.take(4, torch.float32) is None
+    del view
+
+
+class _Tracked:
+    tracks_memory = True
+
+    def __init__(self, allocated):
+        self.allocated = allocated
+
+    def allocated_bytes(self):
+        return self.allocated
+
+
+class _Plan:
+    def __init__(self, limit):
+        self.lookahead_limit_bytes = limit
+
+
+class _Job:
+    def __init__(self, limit):
+        self.plan = _Plan(limit)
+
+
+def test_idle_buffers_stay_only_within_the_plan_s_limit_for_a_running_task():
+    """The idle bytes allowed keep the allocated memory, idle buffers included, under the plan's limit; none
+    without a limit (unplanned, CPU workers, the end of a pass)."""
+    from accelerate_roundpipe.runtime.execution.residency import ParamResidency
+
+    residency = ParamResidency.__new__(ParamResidency)  # only its device, buffers and the rule are read
+    residency.buffers = WeightBuffers()
+    residency.buffers.give([torch.empty(256)], "e")  # 1 KiB idle
+    residency.device = _Tracked(allocated=10_000)  # the idle KiB included
+    assert residency._idle_room(_Job(limit=9_500)) == 9_500 - (10_000 - 1024)
+    assert residency._idle_room(_Job(limit=5_000)) == 0  # over the limit without them: none stays
+    assert residency._idle_room(_Job(limit=0)) == 0  # no plan yet
+    assert residency._idle_room(None) == 0  # the end of a pass
+    residency.device.tracks_memory = False
+    assert residency._idle_room(_Job(limit=9_500)) == 0  # CPU workers

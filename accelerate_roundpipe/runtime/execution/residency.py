@@ -359,7 +359,15 @@ class ParamResidency:
             self._prefetch_next(job, following)
         finally:
             if GIVE_BACK_IDLE_AT_PREFETCH:
-                self.buffers.clear()
+                self.buffers.trim_to(self._idle_room(job))
+
+    def _idle_room(self, job: TaskJob | None) -> float:
+        """Idle weight buffer bytes that may stay while the running task computes: what keeps the device's allocated
+        memory under the plan's limit for a running task ([Note: idle buffers given back at the prefetch])."""
+        limit = job.plan.lookahead_limit_bytes if job is not None else 0
+        if limit <= 0 or not self.device.tracks_memory:
+            return 0
+        return max(0, limit - (self.device.allocated_bytes() - self.buffers.idle_bytes))
 
     def _prefetch_next(self, job: TaskJob | None, following: TaskJob | None) -> None:
         if job is None or not job.read_tickets:

@@ -20,14 +20,17 @@ task, leaves it to the caching allocator as before). Idle buffers stay at most `
 the size of the largest task seen, so memory a pass no longer asks for goes back to the caching allocator.
 
 [Note: idle buffers given back at the prefetch]
-The one use of an idle buffer is the next task's allocation, made when a task starts and prefetches the next
-(`ParamResidency.prefetch`). Whatever that prefetch (and its look-ahead) does not take goes back to the caching
-allocator right after it, so no idle buffer is held while the running task computes: the measured plan sizes a
-stage's activations in the memory the stages' weights leave, and knows nothing of buffers kept for later. Kept
-until they aged out, the buffers of a 22-layer forward stage (4.2 GiB, 20 of its 22 layer buffers not taken by the
-fused stage after it) sat idle while that fused stage computed, and Qwen3-4B's full fine-tune at b8 under a 24 GiB
-cap, which trained at 20.9 GiB before buffers were reused, ran out of memory on its second pass (an H100,
-ef07843: 22.9 GiB allocated, 594 MiB asked).
+An idle buffer's use is a later task's allocation, made when a task starts and prefetches the next
+(`ParamResidency.prefetch`). After that prefetch (and its look-ahead) the idle buffers held while the running task
+computes are bounded by the plan: the device's allocated memory with them stays under what the measured plan
+leaves a running task (`PassPlan.lookahead_limit_bytes`, the look-ahead's own bound), the oldest going back to the
+caching allocator first; with no such limit (the unplanned first pass, CPU workers, the end of a pass) none stays.
+The plan sizes a stage's activations in the memory the weights leave and knows nothing of buffers kept for later:
+kept until they aged out, the buffers of a 22-layer forward stage (4.2 GiB, 20 of its 22 layer buffers not taken
+by the fused stage after it) sat idle while that fused stage computed, and Qwen3-4B's full fine-tune at b8 under a
+24 GiB cap, which trained at 20.9 GiB before buffers were reused, ran out of memory on its second pass (an H100,
+ef07843: 22.9 GiB allocated, 594 MiB asked). Within the limit they stay: a look-ahead whose memory must come from
+the caching allocator can wait there for the GPU, which is what reusing buffers avoids.
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ class WeightBuffers:
             self._idle_bytes -= buffer.numel() * buffer.element_size()
         for key in [key for key, idle in self._idle.items() if not idle]:
             del self._idle[key]
+
+    def trim_to(self, allowed_bytes: float) -> None:
+        """Give the oldest idle buffers back to the caching allocator until at most `allowed_bytes` stay idle
+        ([Note: idle buffers given back at the prefetch])."""
+        while self._idle_bytes > allowed_bytes:
+            _, key = min((idle[0][2], key) for key, idle in self._idle.items() if idle)
+            buffer, _, _ = self._idle[key].popleft()
+            self._idle_bytes -= buffer.numel() * buffer.element_size()
+            if not self._idle[key]:
+                del self._idle[key]
 
     def clear(self) -> None:
         """Give every idle buffer back to the caching allocator (the device is closing or memory is short)."""
