@@ -1,13 +1,24 @@
 """accelerate_roundpipe: RoundPipe pipeline training underneath the Hugging Face training API.
 
-Importing the package starts no threads, touches no GPU and pins no memory.
+Importing the package starts no threads, touches no GPU and pins no memory. It does not import torch either: the
+engine's names are imported on first use, so the `accelerate-roundpipe` command answers a mistyped flag without
+waiting seconds for torch (`RoundPipeConfig` imports it where a value needs it).
 """
 
+import importlib
+
 from .config import RoundPipeConfig
-from .models import UnsupportedModelError, wrap_model
-from .runtime import EngineClosedError, LaggedOptimizer, RoundPipe, RoundPipeOptimizer
 
 __version__ = "0.1.0"
+
+_ENGINE_EXPORTS = {  # name: the module it lives in, imported on first use
+    "RoundPipe": ".runtime",
+    "RoundPipeOptimizer": ".runtime",
+    "LaggedOptimizer": ".runtime",
+    "EngineClosedError": ".runtime",
+    "wrap_model": ".models",
+    "UnsupportedModelError": ".models",
+}
 
 __all__ = [
     "RoundPipe",
@@ -27,6 +38,8 @@ __all__ += list(_INTEGRATION_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _ENGINE_EXPORTS:
+        return getattr(importlib.import_module(_ENGINE_EXPORTS[name], __name__), name)
     if name in _INTEGRATION_EXPORTS:
         from . import integrations
 

@@ -59,13 +59,7 @@ from ..compat.hf_trainer import compute_loss_process_factor
 from ..compat.torch_internals import backward_node_class, default_group_store, set_default_group_timeout
 from ..runtime.distribution.collectives import DataParallelError
 from .checkpoint_files import CheckpointError, check_shard_name
-
-MULTI_PROCESS_TYPES = ("MULTI_CPU", "MULTI_GPU")
-
-ONE_PROCESS_PER_MACHINE = ("RoundPipe drives every GPU of a machine from one process: launch one process per machine "
-                           "(`accelerate launch --num_machines N --num_processes N`, or `torchrun --nnodes N "
-                           "--nproc-per-node 1`) and list that machine's GPUs in ROUNDPIPE_DEVICES (e.g. "
-                           "'cuda:0,cuda:1'; unset means every visible GPU).")
+from .process_layout import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 
 
 def distributed_type_name(distributed_type: object) -> str:

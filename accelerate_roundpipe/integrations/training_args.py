@@ -30,7 +30,9 @@ def _cli_type(engine_type: object) -> type:
 
 
 def _roundpipe_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    hints = typing.get_type_hints(RoundPipeConfig)
+    import torch  # the config's annotations name torch, which config.py imports only where a value needs it
+
+    hints = typing.get_type_hints(RoundPipeConfig, localns={"torch": torch})
     out = []
     for f in dataclasses.fields(RoundPipeConfig):
         help_text = f"RoundPipe: {f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()})"

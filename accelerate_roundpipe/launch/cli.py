@@ -27,8 +27,8 @@ import sys
 import tempfile
 
 from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError
-from ..integrations.multi_process import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 from ..integrations.plugin import RoundPipePlugin
+from ..integrations.process_layout import MULTI_PROCESS_TYPES, ONE_PROCESS_PER_MACHINE
 from .config_file import (
     ENABLED_KEY,
     SECTION,
@@ -51,18 +51,19 @@ def config_command(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(prog="accelerate-roundpipe config",
                                      description="Write an accelerate config file with a `roundpipe:` section.")
     parser.add_argument("--config_file", default=None,
-                        help=f"where to write it (default: {default_config_path()}, beside accelerate's own default "
-                             f"config, which stays usable by plain `accelerate launch`)")
+                        help="where to write it (default: roundpipe_config.yaml in accelerate's config folder, "
+                             "$HF_HOME/accelerate, beside accelerate's own default config, which stays usable by "
+                             "plain `accelerate launch`; the path is printed when written)")
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
     for f in dataclasses.fields(RoundPipeConfig):
         parser.add_argument(f"--{f.name}", default=None,
                             help=f"{f.metadata.get('help', '')} (written as `{f.name}:`, {ENV_PREFIX}{f.name.upper()})")
     args = parser.parse_args(argv)
-    import torch
-
     given = {name: getattr(args, name) for name in setting_names() if getattr(args, name) is not None}
     # Check the values now, not at launch time; a refusal names the flag as this command spells it.
     RoundPipePlugin(**given, sources={name: Given(f"--{name} {{value}}") for name in given})
+    import torch  # after the checks: a refusal is said without waiting for it
+
     section = {ENABLED_KEY: True, **{name: _yaml_value(value) for name, value in given.items()}}
     config = base_accelerate_config(use_cpu=not torch.cuda.is_available(), mixed_precision=args.mixed_precision)
     config[SECTION] = section
