@@ -6,8 +6,13 @@ waiting seconds for torch (`RoundPipeConfig` imports it where a value needs it).
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .config import RoundPipeConfig
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers, IDEs and the API docs
+    from .models import UnsupportedModelError, wrap_model
+    from .runtime import EngineClosedError, LaggedOptimizer, RoundPipe, RoundPipeOptimizer
 
 __version__ = "0.1.0"
 
