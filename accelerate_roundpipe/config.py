@@ -17,6 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a value needs it: a command line's refusal waits for no torch import
     import torch
+else:
+    class _TorchOnFirstUse:
+        """`torch` for this module's annotations when something evaluates them (`typing.get_type_hints`,
+        `HfArgumentParser`): the real module is imported at the first attribute read. The functions below import
+        torch themselves."""
+
+        def __getattr__(self, name: str):
+            import torch
+
+            return getattr(torch, name)
+
+    torch = _TorchOnFirstUse()
 
 ENV_PREFIX = "ROUNDPIPE_"
 RECOMPUTE_GRAINS = ("stage", "layer")

@@ -30,9 +30,7 @@ def _cli_type(engine_type: object) -> type:
 
 
 def _roundpipe_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    import torch  # the config's annotations name torch, which config.py imports only where a value needs it
-
-    hints = typing.get_type_hints(RoundPipeConfig, localns={"torch": torch})
+    hints = typing.get_type_hints(RoundPipeConfig)
     out = []
     for f in dataclasses.fields(RoundPipeConfig):
         help_text = f"RoundPipe: {f.metadata.get('help', '')} (env {ENV_PREFIX}{f.name.upper()})"
