@@ -24,6 +24,7 @@ ACCELERATOR_OVERRIDES: dict[str, tuple[str, ...] | None] = {
     "unwrap_model": ("model", "keep_fp32_wrapper", "keep_torch_compile"),
     "get_state_dict": ("model", "unwrap"),
     "end_training": (),
+    "free_memory": (),
     "save_state": ("output_dir", "safe_serialization"),
     "load_state": ("input_dir", "load_kwargs"),
 }

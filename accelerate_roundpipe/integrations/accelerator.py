@@ -251,6 +251,16 @@ class RoundPipeAccelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap)
         return detached_state_dict(engine)
 
+    def free_memory(self, *objects):
+        """accelerate's `free_memory` (and `clear`): every reference the accelerator keeps is released, the RoundPipe
+        engines included, so an engine whose model the caller drops too is collected (its threads stopped, its
+        pinned host store and device state given back) instead of living as long as the accelerator: a loop that
+        retries a smaller batch after running out of memory builds a new engine each time. Engines are not closed
+        here: `transformers.Trainer` calls this at the start of every `train()` and prepares the same model, and
+        its engine, again."""
+        self._roundpipe_engines = []
+        return super().free_memory(*objects)
+
     def end_training(self) -> None:
         """accelerate's `end_training` (trackers finish), after writing each engine's timeline trace when recording
         (a stock loop never calls `close()`: [Note: trace at exit])."""

@@ -156,3 +156,52 @@ def test_a_clip_on_every_micro_step_of_a_window_says_to_gate_it_on_sync_gradient
                 optimizer.step()
                 optimizer.zero_grad()
     accelerator.roundpipe_engine(model).close()
+
+
+def _train_step(accelerator, model, optimizer) -> float:
+    loss = model(**lm_batch()).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def test_free_memory_lets_an_engine_go_once_the_caller_drops_its_model():
+    """accelerate's `free_memory` releases every reference the accelerator keeps, the engines included: a loop that
+    retries a smaller batch after running out of memory builds a new engine each time, and the old one (threads,
+    pinned store, device state) must not live as long as the accelerator."""
+    import gc
+    import weakref
+
+    accelerator = make_accelerator()
+    model = tiny_llama()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _train_step(accelerator, model, optimizer)
+    engine = weakref.ref(accelerator.roundpipe_engine(model))
+    model, optimizer = accelerator.free_memory(model, optimizer)
+    assert model is None and optimizer is None
+    gc.collect()
+    assert engine() is None
+
+
+def test_after_free_memory_the_same_model_prepared_again_trains_on_its_engine():
+    """What `transformers.Trainer` does at the start of every `train()`: `free_memory()`, then `prepare` of the
+    model it holds. The engine is the same and keeps training, equal to a run without the call."""
+    reference_accelerator = make_accelerator()
+    reference = tiny_llama()
+    reference, reference_optimizer = reference_accelerator.prepare(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-3))
+    expected = [_train_step(reference_accelerator, reference, reference_optimizer) for _ in range(3)]
+    reference_accelerator.roundpipe_engine(reference).close()
+
+    accelerator = make_accelerator()
+    model = tiny_llama()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    engine = accelerator.roundpipe_engine(model)
+    losses = [_train_step(accelerator, model, optimizer)]
+    accelerator.free_memory()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert accelerator.roundpipe_engine(model) is engine
+    losses += [_train_step(accelerator, model, optimizer) for _ in range(2)]
+    assert losses == expected
+    engine.close()
