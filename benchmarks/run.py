@@ -200,9 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep-idle-buffers", action="store_true", help="idle weight buffers kept until they age "
                         "out, as before [Note: idle buffers given back at the prefetch], to measure the two beside "
                         "each other")
-    parser.add_argument("--one-layer-first-pass", action="store_true", help="the unplanned first pass with one-layer "
-                        "backward stages whatever its saved inputs take of the host, as before [Note: first-pass "
-                        "backward stages], to measure the two beside each other")
+    parser.add_argument("--one-layer-first-pass", action="store_true", help="the unplanned first pass with "
+                        "one-layer backward stages whatever its saved inputs take of the host, as before "
+                        "[Note: first-pass backward stages], to measure the two beside each other")
     parser.add_argument("--host-available-gib", type=float, default=None, help="emulate a smaller host: a child "
                         "process holds memory so that about this many GiB stay available (benchmarks/host_ballast.py; "
                         "the disk tier's runs, whose swap files the page cache would otherwise hold)")

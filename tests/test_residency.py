@@ -75,7 +75,8 @@ def _job(store, tickets):
     """What `ParamResidency` reads of a task's job: its read tickets, its span (every layer: whole buckets)."""
     span = SimpleNamespace(layers=range(len(store.layers)))
     return SimpleNamespace(read_tickets=tickets, task=SimpleNamespace(span=span),
-                           plan=SimpleNamespace(reads_newest=False), results=SimpleNamespace(profile=None))
+                           plan=SimpleNamespace(reads_newest=False, lookahead_limit_bytes=0),
+                           results=SimpleNamespace(profile=None))
 
 
 def _write_later(store, failure, index, after_s: float = 0.05) -> threading.Thread:
