@@ -152,3 +152,15 @@ def test_idle_buffers_stay_only_within_the_plan_s_limit_for_a_running_task():
     assert residency._idle_room(None) == 0  # the end of a pass
     residency.device.tracks_memory = False
     assert residency._idle_room(_Job(limit=9_500)) == 0  # CPU workers
+
+
+def test_buffers_of_one_size_and_age_in_two_dtypes_are_trimmed():
+    """A task can give back flats of the same size in two dtypes (a layer whose parameters are bucketed by dtype);
+    aging them out and trimming order by age alone (dtypes have no order: this raised TypeError in the worker)."""
+    pool = WeightBuffers()
+    pool.give([torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float32)], "e0")
+    for i in range(weight_buffers.IDLE_TASKS):
+        pool.give([torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.float32)], f"e{i + 1}")
+    assert pool.take(8, torch.float32) is not None and pool.take(8, torch.bfloat16) is not None
+    pool.trim_to(0)
+    assert pool.idle_bytes == 0

@@ -85,7 +85,9 @@ class WeightBuffers:
 
     def _trim(self) -> None:
         oldest_kept = self._task - IDLE_TASKS
-        entries = sorted(((task, key) for key, idle in self._idle.items() for _, _, task in idle))
+        # by age alone: two keys of one age may differ only by dtype, which has no order
+        entries = sorted(((task, key) for key, idle in self._idle.items() for _, _, task in idle),
+                         key=lambda entry: entry[0])
         for task, key in entries:
             if task > oldest_kept and self._idle_bytes <= self._limit_bytes:
                 break
@@ -98,7 +100,7 @@ class WeightBuffers:
         """Give the oldest idle buffers back to the caching allocator until at most `allowed_bytes` stay idle
         ([Note: idle buffers given back at the prefetch])."""
         while self._idle_bytes > allowed_bytes:
-            _, key = min((idle[0][2], key) for key, idle in self._idle.items() if idle)
+            _, key = min(((idle[0][2], key) for key, idle in self._idle.items() if idle), key=lambda e: e[0])
             buffer, _, _ = self._idle[key].popleft()
             self._idle_bytes -= buffer.numel() * buffer.element_size()
             if not self._idle[key]:
