@@ -19,13 +19,13 @@ if TYPE_CHECKING:  # torch is imported where a value needs it: a command line's 
     import torch
 else:
     class _TorchOnFirstUse:
-        """`torch` for this module's annotations when something evaluates them (`typing.get_type_hints`,
-        `HfArgumentParser`): the real module is imported at the first attribute read. The functions below import
-        torch themselves."""
+        """`torch` for this module (its functions and its annotations, which `typing.get_type_hints` evaluates):
+        the real module is imported at the first attribute read, and takes this stand-in's place."""
 
         def __getattr__(self, name: str):
             import torch
 
+            globals()["torch"] = torch
             return getattr(torch, name)
 
     torch = _TorchOnFirstUse()
@@ -90,11 +90,7 @@ def str_to_bool(value: str, written: str, source: str = "argument") -> bool:
 
 def to_dtype(value: Any, written: str, source: str = "argument") -> torch.dtype | None:
     """`value` as a floating-point dtype, else a SettingError that starts with `written`, the setting as written."""
-    if value is None:
-        return value
-    import torch
-
-    if isinstance(value, torch.dtype):
+    if value is None or isinstance(value, torch.dtype):
         return value
     text = str(value).strip().lower().removeprefix("torch.")
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
@@ -240,8 +236,6 @@ def _device_list(value: Any, given: Given | None = None) -> list[str]:
         device = None
         # a string no worker is spelt like is refused before torch is imported (a command line's typo)
         if not isinstance(item, str) or _WORKER_SPELLING.fullmatch(item.strip()):
-            import torch
-
             try:
                 device = torch.device(item.strip() if isinstance(item, str) else item)
             except (RuntimeError, TypeError):
@@ -261,12 +255,6 @@ def _device_list(value: Any, given: Given | None = None) -> list[str]:
     return out
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def check_cuda_devices(devices: list[torch.device], given: Given | None = None, value: Any = None) -> None:
     """Refuse CUDA workers this machine cannot run, naming the setting (else the first pinned buffer fails deep
     inside torch with "Torch not compiled with CUDA enabled"); `given`: where `value`, the devices as written, was
@@ -274,8 +262,6 @@ def check_cuda_devices(devices: list[torch.device], given: Given | None = None, 
     cuda = [d for d in devices if d.type == "cuda"]
     if not cuda:
         return
-    import torch
-
     named = ",".join(str(d) for d in devices)
     if given is None:
         written = f"devices (env {ENV_PREFIX}DEVICES)={named!r}"
@@ -485,8 +471,6 @@ class RoundPipeConfig:
         if self.devices is not None:
             raw = self.devices
             self.devices = _device_list(raw, given.get("devices"))
-            import torch
-
             check_cuda_devices([torch.device(d) for d in self.devices], given.get("devices"), raw)
         for name, rule in NUMBER_RANGES.items():
             value = getattr(self, name)
@@ -500,7 +484,7 @@ class RoundPipeConfig:
                 if value not in (0, 1):
                     raise _refusal(name, value, "a boolean (true or false)", given.get(name))
                 setattr(self, name, bool(value))
-        if self.pin_memory and not _cuda_available():
+        if self.pin_memory and not torch.cuda.is_available():
             pin = given.get("pin_memory")
             if pin is None:
                 raise SettingError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs "
@@ -530,8 +514,6 @@ class RoundPipeConfig:
     # Resolved values: what the engine actually uses, and the defaults the docs state (tests/test_docs_defaults.py).
     def resolved_devices(self) -> list[torch.device]:
         """The workers; named CUDA devices are checked against what this machine has (an engine asks once)."""
-        import torch
-
         if self.devices is not None:
             devices = [torch.device(d) for d in self.devices]
             check_cuda_devices(devices, self._given.get("devices"), self._as_given.get("devices"))

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import difflib
 import gc
+import importlib
 import importlib.metadata
 import math
 import os
@@ -170,6 +171,41 @@ def median_step_tokens_per_s(timed_step_s: list[float], tokens_per_step: int) ->
     return round(tokens_per_step / statistics.median(timed_step_s), 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class VariantSwitch:
+    """A `--flag` that runs a computation as it was before a change, by setting one module attribute, so that the
+    two are measured beside each other; the record's `variant` and system name say which ran."""
+
+    flag: str
+    module: str
+    attribute: str
+    value: object
+    help: str
+
+
+VARIANT_SWITCHES = (
+    VariantSwitch("peft-lora-adds", "accelerate_roundpipe.compat.peft_linear", "enabled", False,
+                  "LoRA on linear layers computed PEFT's way (its product, scaled, then added: three passes over the "
+                  "output) instead of inside one GEMM ([Note: LoRA added in the GEMM])"),
+    VariantSwitch("peft-merged-experts", "accelerate_roundpipe.compat.peft_experts", "enabled", False,
+                  "LoRA on MoE experts computed PEFT's way (the merged weight per call) instead of through its "
+                  "factors ([Note: factored LoRA on experts])"),
+    VariantSwitch("whole-bucket-uploads", "accelerate_roundpipe.runtime.devices.device", "PARAM_UPLOAD_CHUNK_BYTES",
+                  1 << 62, "upload each parameter bucket in one copy, as before the chunked uploads "
+                  "([Note: parameter uploads in chunks])"),
+    VariantSwitch("no-buffer-reuse", "accelerate_roundpipe.runtime.execution.weight_buffers", "IDLE_TASKS", 0,
+                  "every task's parameter buffers back to torch's caching allocator at its end, as before "
+                  "[Note: weight buffers reused]"),
+    VariantSwitch("keep-idle-buffers", "accelerate_roundpipe.runtime.execution.residency",
+                  "GIVE_BACK_IDLE_AT_PREFETCH", False, "idle weight buffers kept until they age out, as before "
+                  "[Note: idle buffers given back at the prefetch]"),
+    # every layer input fits the host's share: one-layer stages
+    VariantSwitch("one-layer-first-pass", "accelerate_roundpipe.runtime.execution.first_pass", "SAVED_HOST_SHARE",
+                  math.inf, "the unplanned first pass with one-layer backward stages whatever its saved inputs take "
+                  "of the host, as before [Note: first-pass backward stages]"),
+)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
@@ -185,24 +221,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kernels", default=None, choices=["auto", "liger", "none"])
     parser.add_argument("--disk-probe", action="store_true", help="record the disk's sequential bandwidth under "
                         "offload_dir in the record's settings (the engine's start probe when it had a disk tier)")
-    parser.add_argument("--peft-lora-adds", action="store_true", help="LoRA on linear layers computed PEFT's way "
-                        "(its product, scaled, then added: three passes over the output) instead of inside one GEMM "
-                        "([Note: LoRA added in the GEMM]), to measure the two beside each other")
-    parser.add_argument("--peft-merged-experts", action="store_true", help="LoRA on MoE experts computed PEFT's "
-                        "way (the merged weight per call) instead of through its factors "
-                        "([Note: factored LoRA on experts]), to measure the two beside each other")
-    parser.add_argument("--whole-bucket-uploads", action="store_true", help="upload each parameter bucket in one "
-                        "copy, as before the chunked uploads ([Note: parameter uploads in chunks]), to measure the "
-                        "two beside each other")
-    parser.add_argument("--no-buffer-reuse", action="store_true", help="every task's parameter buffers back to "
-                        "torch's caching allocator at its end, as before [Note: weight buffers reused], to measure "
-                        "the two beside each other")
-    parser.add_argument("--keep-idle-buffers", action="store_true", help="idle weight buffers kept until they age "
-                        "out, as before [Note: idle buffers given back at the prefetch], to measure the two beside "
-                        "each other")
-    parser.add_argument("--one-layer-first-pass", action="store_true", help="the unplanned first pass with "
-                        "one-layer backward stages whatever its saved inputs take of the host, as before "
-                        "[Note: first-pass backward stages], to measure the two beside each other")
+    for switch in VARIANT_SWITCHES:
+        parser.add_argument(f"--{switch.flag}", action="store_true", help=f"{switch.help}, to measure the two beside "
+                            f"each other")
     parser.add_argument("--host-available-gib", type=float, default=None, help="emulate a smaller host: a child "
                         "process holds memory so that about this many GiB stay available (benchmarks/host_ballast.py; "
                         "the disk tier's runs, whose swap files the page cache would otherwise hold)")
@@ -274,30 +295,9 @@ def main(argv: list[str] | None = None) -> None:
                 extra["trace_path"] = str(Path(args.trace_dir) / f"{args.workload}-{args.system}-s{seq}-n{nms}.json")
             config = RoundPipeConfig(devices=devices, num_microbatches=nms and min(nms, w.global_batch),
                                      kernels=args.kernels, recompute=args.recompute, **extra, **args.roundpipe)
-            if args.peft_lora_adds:
-                from accelerate_roundpipe.compat import peft_linear
-
-                peft_linear.enabled = False
-            if args.peft_merged_experts:
-                from accelerate_roundpipe.compat import peft_experts
-
-                peft_experts.enabled = False
-            if args.whole_bucket_uploads:
-                from accelerate_roundpipe.runtime.devices import device
-
-                device.PARAM_UPLOAD_CHUNK_BYTES = 1 << 62  # every bucket in one copy
-            if args.no_buffer_reuse:
-                from accelerate_roundpipe.runtime.execution import weight_buffers
-
-                weight_buffers.IDLE_TASKS = 0  # no buffer outlives the task end that gives it back
-            if args.keep_idle_buffers:
-                from accelerate_roundpipe.runtime.execution import residency
-
-                residency.GIVE_BACK_IDLE_AT_PREFETCH = False
-            if args.one_layer_first_pass:
-                from accelerate_roundpipe.runtime.execution import first_pass
-
-                first_pass.SAVED_HOST_SHARE = math.inf  # every layer input fits: one-layer stages
+            variant = [switch for switch in VARIANT_SWITCHES if getattr(args, switch.flag.replace("-", "_"))]
+            for switch in variant:
+                setattr(importlib.import_module(switch.module), switch.attribute, switch.value)
             with host_ballast(args.host_available_gib) as ballast:
                 record = run_one(args.workload, args.system, seq, config, args.warm, args.iters, args.lr,
                                  args.peak_tflops if torch.cuda.is_available() else 0.0, args.logging_steps,
@@ -305,15 +305,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.host_available_gib is not None:  # the host emulated: what the run saw, and what was held
                 record["settings"].update(host_available_gib=args.host_available_gib,
                                           host_ballast_gib=round(ballast / 2**30, 2))
-            variant = [name for flag, name in ((args.peft_lora_adds, "peft-lora-adds"),
-                                               (args.peft_merged_experts, "peft-merged-experts"),
-                                               (args.whole_bucket_uploads, "whole-bucket-uploads"),
-                                               (args.no_buffer_reuse, "no-buffer-reuse"),
-                                               (args.keep_idle_buffers, "keep-idle-buffers"),
-                                               (args.one_layer_first_pass, "one-layer-first-pass")) if flag]
             if variant:  # the record says which computation it measured
-                record["variant"] = variant
-                record["system"] = "-".join([record["system"] or args.system, *variant])
+                record["variant"] = [switch.flag for switch in variant]
+                record["system"] = "-".join([record["system"] or args.system, *record["variant"]])
             emit(record, args.out)
             gc.collect()
             if torch.cuda.is_available():

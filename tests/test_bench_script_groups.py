@@ -147,3 +147,15 @@ def test_the_moe_idle_buffers_ab_group_runs_the_default_then_the_buffers_kept(tm
     assert [(a.workload, a.keep_idle_buffers, a.roundpipe) for a in ours] == [
         ("qwen3-30b-a3b-lora-s4096-b8-cap24", False, {}), ("qwen3-30b-a3b-lora-s4096-b8-cap24", True, {})]
     assert ours[0].trace_dir != ours[1].trace_dir  # the two traces apart
+
+
+def test_every_variant_switch_names_an_attribute_its_module_has():
+    """A switch sets one module attribute; a renamed attribute would make it set a new, unused name silently."""
+    import importlib
+
+    for switch in run.VARIANT_SWITCHES:
+        module = importlib.import_module(switch.module)
+        assert hasattr(module, switch.attribute), (switch.flag, switch.module, switch.attribute)
+        assert type(getattr(module, switch.attribute)) is type(switch.value), switch.flag
+        assert run.parse_args(["--workload", "tiny-llama-full-s16-b4", "--system", "roundpipe-engine", "--out", "o",
+                               f"--{switch.flag}"]).__dict__[switch.flag.replace("-", "_")] is True
