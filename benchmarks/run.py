@@ -199,6 +199,9 @@ VARIANT_SWITCHES = (
     VariantSwitch("keep-idle-buffers", "accelerate_roundpipe.runtime.execution.residency",
                   "GIVE_BACK_IDLE_AT_PREFETCH", False, "idle weight buffers kept until they age out, as before "
                   "[Note: idle buffers given back at the prefetch]"),
+    VariantSwitch("limits-without-placed-state", "accelerate_roundpipe.runtime.execution.measured_plan",
+                  "COUNT_PLACED_STATE", False, "the saved-input and look-ahead limits without the optimizer state "
+                  "placed on the device, as before [Note: limits in allocated bytes]"),
     # every layer input fits the host's share: one-layer stages
     VariantSwitch("one-layer-first-pass", "accelerate_roundpipe.runtime.execution.first_pass", "SAVED_HOST_SHARE",
                   math.inf, "the unplanned first pass with one-layer backward stages whatever its saved inputs take "

@@ -149,6 +149,18 @@ def test_the_moe_idle_buffers_ab_group_runs_the_default_then_the_buffers_kept(tm
     assert ours[0].trace_dir != ours[1].trace_dir  # the two traces apart
 
 
+@pytest.mark.parametrize("group, workload", [("cap24-limits-ab", "qwen3-4b-full-s4096-b8-cap24"),
+                                             ("moe-cap24-limits-ab", "qwen3-30b-a3b-lora-s4096-b8-cap24")])
+def test_the_limits_ab_groups_run_the_default_then_the_limits_as_before(tmp_path, group, workload):
+    done, calls, log = bench(tmp_path, group)
+    assert done.returncode == 0, done.stderr
+    ours = [run.parse_args(c.split()[1:]) for c in calls if c.startswith("benchmarks/run.py ")]
+    assert [(a.workload, a.limits_without_placed_state, a.roundpipe) for a in ours] == [
+        (workload, False, {}), (workload, True, {})]
+    assert ours[0].trace_dir != ours[1].trace_dir  # the two traces apart
+    assert sum(int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3", log, re.M)) <= 585  # one call
+
+
 def test_every_variant_switch_names_an_attribute_its_module_has():
     """A switch sets one module attribute; a renamed attribute would make it set a new, unused name silently."""
     import importlib

@@ -8,7 +8,7 @@
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
-# moe-cap24-idle-ab, call-memory, disk-cap24,
+# moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
@@ -29,7 +29,7 @@ WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile ke
 WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
-WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab call-memory"
+WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory"
 WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
@@ -284,6 +284,21 @@ run_ours() {
     for t in "$OUT"/traces/qwen3-30b-a3b-*.json "$OUT"/traces/kept/*.json; do  # each one's tasks and weight waits
       [ -f "$t" ] && python3 benchmarks/step_bounds.py "$t" --steps 3 --workload qwen3-30b-a3b-lora-s4096-b8-cap24 \
         2>&1 | tee -a "$LOG"
+    done ;;
+  cap24-limits-ab)  # [Note: limits in allocated bytes] on the 4B full fine-tune (11 GiB of optimizer state on the
+    # card): the default, then the limits without the placed state (no saved input kept, no look-ahead), both traced
+    w=qwen3-4b-full-s4096-b8-cap24
+    ours 150 $w roundpipe-engine --warm 2 --iters 6 --trace-dir "$OUT/traces"
+    ours 150 $w roundpipe-engine --warm 2 --iters 6 --limits-without-placed-state --trace-dir "$OUT/traces/before"
+    for t in "$OUT"/traces/$w-*.json "$OUT"/traces/before/*.json; do
+      [ -f "$t" ] && python3 benchmarks/step_bounds.py "$t" --steps 3 --workload $w 2>&1 | tee -a "$LOG"
+    done ;;
+  moe-cap24-limits-ab)  # the same A/B on the MoE step (auto places about 12 GiB of its state on the card)
+    w=qwen3-30b-a3b-lora-s4096-b8-cap24
+    ours 240 $w roundpipe-engine --warm 2 --iters 4 --trace-dir "$OUT/traces"
+    ours 240 $w roundpipe-engine --warm 2 --iters 4 --limits-without-placed-state --trace-dir "$OUT/traces/before"
+    for t in "$OUT"/traces/$w-*.json "$OUT"/traces/before/*.json; do
+      [ -f "$t" ] && python3 benchmarks/step_bounds.py "$t" --steps 3 --workload $w 2>&1 | tee -a "$LOG"
     done ;;
   call-memory)  # GPU memory at every call boundary beside the measured plan's stage bytes (benchmarks/call_memory.py):
     # Qwen3-4B full b8 under the cap, one call a step and 8 calls a step, each in its own process

@@ -91,9 +91,9 @@ class PassLauncher:
         self._check_saved_room(mb_rows, inputs, saved)
         plan = PassPlan(self.passes.new_pass_index(), Mode.TRAIN, training, tuple(mb_rows), saved,
                         labels=tuple(mb_labels), loss_fn=loss_fn, loss_weights=tuple(loss_weights),
-                        keep_limit_bytes=self.plan.keep_limit_bytes,
-                        lookahead_limit_bytes=self.plan.lookahead_limit_bytes, input_dtypes=_floating_dtypes(inputs),
-                        rng_stream=self.passes.new_rng_stream(training))
+                        keep_limit_bytes=self.plan.allocated_limit(self.plan.keep_limit_bytes),
+                        lookahead_limit_bytes=self.plan.allocated_limit(self.plan.lookahead_limit_bytes),
+                        input_dtypes=_floating_dtypes(inputs), rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index, num_losses=len(mb_rows), deferred=deferred,
                                  profile=self.plan.profile_for_pass(num_layers))
 
@@ -110,10 +110,11 @@ class PassLauncher:
             self.dispatch.wait_inflight()  # nothing may read a compute copy while the look writes it
             optimizer.show_newest()
         plan = PassPlan(self.passes.new_pass_index(), Mode.FORWARD, training, tuple(x[0].shape[0] for x in mb_inputs),
-                        saved, keep_limit_bytes=self.plan.keep_limit_bytes,
-                        lookahead_limit_bytes=self.plan.lookahead_limit_bytes, input_dtypes=_floating_dtypes(inputs),
-                        reads_newest=not keep_for_backward, adapter_setting=adapter_setting,
-                        buffer_reading=self.buffers.shown, rng_stream=self.passes.new_rng_stream(training))
+                        saved, keep_limit_bytes=self.plan.allocated_limit(self.plan.keep_limit_bytes),
+                        lookahead_limit_bytes=self.plan.allocated_limit(self.plan.lookahead_limit_bytes),
+                        input_dtypes=_floating_dtypes(inputs), reads_newest=not keep_for_backward,
+                        adapter_setting=adapter_setting, buffer_reading=self.buffers.shown,
+                        rng_stream=self.passes.new_rng_stream(training))
         return plan, PassResults(plan.index)
 
     def _check_saved_room(self, mb_rows: list[int], inputs: tuple, saved: frozenset[int]) -> None:

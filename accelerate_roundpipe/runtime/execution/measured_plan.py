@@ -20,6 +20,15 @@ plan, what the largest planned stage leaves of the budget (nothing during the me
 stages could otherwise run out of memory under a tight budget); with a static plan, `SAVED_INPUT_SHARE` of the
 budget. The rest takes the host round trip (download now, upload in the backward). On one GPU with room this removes
 the largest PCIe traffic after the weights; nothing changes in the maths.
+
+[Note: limits in allocated bytes]
+The planner sizes stages in the budget the placed optimizer state leaves (`place_optimizer_state` subtracts it), so
+`keep_limit_bytes` and `lookahead_limit_bytes` are room beside that state. A worker compares its limit with the
+device's allocated memory, which holds the state too, so a pass's plan carries each room plus the state placed on
+the device (`allocated_limit`). Before this, a 4B full fine-tune under a 24 GiB cap (11 GiB of state on the card,
+a 2.7 GiB look-ahead room) could never keep a saved input or take a look-ahead, while the same model with its state
+on the host could. `COUNT_PLACED_STATE = False` is the behaviour before (benchmarks/run.py
+`--limits-without-placed-state`).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 SAVED_INPUT_SHARE = 0.25  # of the memory budget, for saved inputs kept on the device under a static plan
 PLAN_SHARE = 0.8  # of the memory budget, for the stages the planner sizes
+COUNT_PLACED_STATE = True  # [Note: limits in allocated bytes]
 PCIE_BYTES_PER_S = 25e9  # per direction, a conservative PCIe 4/5 x16 figure, when no upload could be timed
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 
@@ -74,6 +84,7 @@ class MeasuredPlan:
         # A third task's parameters may be prefetched while the device's allocated memory stays under this
         # ([Note: shared frozen weights]); 0 until a measured plan says what a running task may still allocate.
         self.lookahead_limit_bytes = 0
+        self.device_state_bytes = 0  # the optimizer state placed on the device holding the most
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
@@ -99,10 +110,18 @@ class MeasuredPlan:
         lock_host_optimizer_copies(self.store)
         self.store.lock_crossing_compute_copies()  # [Note: compute copies locked where they cross]
         if self.budget_bytes is not None and placement.device_buckets:
-            self.budget_bytes -= placement.most_on_one_device()
+            self.device_state_bytes = placement.most_on_one_device()
+            self.budget_bytes -= self.device_state_bytes
             if not self.enabled:
                 self.keep_limit_bytes = self._static_keep_limit()
         return placement
+
+    def allocated_limit(self, room_bytes: int) -> int:
+        """The device's allocated memory a pass may reach for a room of `room_bytes` beside the placed optimizer
+        state (0 stays 0: never) ([Note: limits in allocated bytes])."""
+        if room_bytes <= 0 or not COUNT_PLACED_STATE:
+            return room_bytes
+        return room_bytes + self.device_state_bytes
 
     def profile_for_pass(self, num_layers: int) -> LayerProfile | None:
         """A profile for the training pass about to be queued, if it is the one to measure."""
