@@ -16,10 +16,15 @@ WIDTH = 512
 LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4  # one float32 layer's weight and bias: about 1 MiB
 
 
+def _clear_cublas_workspaces() -> None:
+    torch._C._cuda_clearCublasWorkspaces()  # in every CUDA build of torch (its own tests call it)
+
+
 def test_between_passes_the_device_holds_only_the_last_task_s_buffers():
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(8)])
     torch.cuda.synchronize()
+    _clear_cublas_workspaces()
     before = torch.cuda.memory_allocated()
     # a 6-layer forward stage, then a fused stage of 2 layers and 2-layer backward stages: the pattern that kept
     # 4 of the forward stage's layer buffers idle under the fused stage
@@ -33,6 +38,9 @@ def test_between_passes_the_device_holds_only_the_last_task_s_buffers():
             optimizer.step()
             optimizer.zero_grad()
         engine.synchronize()
+        # cuBLAS's workspace of each stream that ran a matmul (32 MiB on an H100) comes from the caching allocator
+        # and counts as allocated: it is not the engine's (the first GPU run of this test failed on it alone)
+        _clear_cublas_workspaces()
         held = torch.cuda.memory_allocated() - before
         # B0 (layers 0-1) gave its two buffers back last; everything else went back to the allocator
         assert held <= 2 * LAYER_BYTES + 2**20, f"{held / 2**20:.2f} MiB held on the device between passes"
