@@ -161,6 +161,17 @@ def test_the_limits_ab_groups_run_the_default_then_the_limits_as_before(tmp_path
     assert sum(int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3", log, re.M)) <= 585  # one call
 
 
+def test_the_swap_rate_group_runs_the_benchmark_with_arguments_it_takes(tmp_path):
+    from benchmarks import swap_rate
+
+    done, calls, _ = bench(tmp_path, "swap-rate")
+    assert done.returncode == 0, done.stderr
+    command = calls[0].split()
+    assert command[0] == "benchmarks/swap_rate.py"
+    args = swap_rate.parse_args(command[1:])
+    assert (args.gib, args.buckets, args.bucket_gib) == (4.0, 8, 1.0)
+
+
 def test_every_variant_switch_names_an_attribute_its_module_has():
     """A switch sets one module attribute; a renamed attribute would make it set a new, unused name silently."""
     import importlib

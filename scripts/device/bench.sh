@@ -8,7 +8,7 @@
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
-# moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, disk-cap24,
+# moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
@@ -29,7 +29,7 @@ WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile ke
 WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
-WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory"
+WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
 WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
@@ -304,6 +304,9 @@ run_ours() {
     # Qwen3-4B full b8 under the cap, one call a step and 8 calls a step, each in its own process
     step 200 python3 benchmarks/call_memory.py --workload qwen3-4b-full-s4096-b8-cap24 --call-rows 8 \
       --accumulation 1,8 --steps 3 --out "$OUT/call_memory.jsonl" ;;
+  swap-rate)  # the disk tier's reads and writes through the page cache (benchmarks/swap_rate.py): threads against
+    # files for raw pwrite/pread, then the engine's staging at 4, 8 and 16 I/O threads
+    step 150 python3 benchmarks/swap_rate.py --gib 4 --buckets 8 --bucket-gib 1 --out "$OUT/swap_rate.jsonl" ;;
   disk-cap24)  # the disk tier under the 24 GiB cap: Qwen3-4B full fine-tune, exact step, with host_memory_budget=24
     # (optimizer copies and states past it in swap files), then the same run with nothing on disk (the default
     # budget); the engine's placement otherwise (auto: some state on the GPU). Each record holds the disk's probe.
