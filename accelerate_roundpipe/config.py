@@ -31,6 +31,10 @@ else:
     torch = _TorchOnFirstUse()
 
 ENV_PREFIX = "ROUNDPIPE_"
+# Variables a field is also read from, after its own ROUNDPIPE_<FIELD>: {field: names}. A table beside the fields, not
+# a key of their `metadata`: `HfArgumentParser` passes a field's metadata (less "aliases", its extra flags) to
+# argparse's `add_argument` as keywords, so any key argparse does not take breaks `HfArgumentParser(RoundPipePlugin)`.
+ENV_ALIASES: dict[str, tuple[str, ...]] = {"trace_path": ("ROUNDPIPE_TRACE",)}
 RECOMPUTE_GRAINS = ("stage", "layer")
 KERNEL_CHOICES = ("auto", "liger", "none")
 PLAN_CHOICES = ("measured", "static")
@@ -68,6 +72,11 @@ class Given:
 
     def written(self, value: Any) -> str:
         return self.spelling.format(value=value) + self.place
+
+
+def environment_variables(field_name: str) -> tuple[str, ...]:
+    """The variables setting `field_name` is read from, in order: its own `ROUNDPIPE_<FIELD>`, then its aliases."""
+    return (ENV_PREFIX + field_name.upper(), *ENV_ALIASES.get(field_name, ()))
 
 
 def environment_variable(name: str) -> Given:
@@ -405,8 +414,7 @@ class RoundPipeConfig:
     wait_timeout_s: float | None = field(default=None, metadata={
         "help": "Seconds a thread may wait on another before raising instead of hanging. Default: 600."})
     trace_path: str | None = field(default=None, metadata={
-        "help": "Write a Chrome/Perfetto timeline trace here (env ROUNDPIPE_TRACE also works). Default: off.",
-        "env_aliases": ("ROUNDPIPE_TRACE",)})
+        "help": "Write a Chrome/Perfetto timeline trace here (env ROUNDPIPE_TRACE also works). Default: off."})
     summary: bool | None = field(default=None, metadata={
         "help": "Print one summary of the engine's settings to stderr when it starts. Default: true."})
     peak_tflops: float | None = field(default=None, metadata={
@@ -423,9 +431,11 @@ class RoundPipeConfig:
         "help": "Where optimizer state lives: 'auto' (as much on the GPU as fits), 'host', 'device'. Default: auto."})
     optimizer_device_budget: float | str | None = field(default=None, metadata={
         "help": "GPU memory per device optimizer placement may fill, in GiB. Default: half of the GPU budget."})
+    # "percent", not the sign: argparse %-formats every help text it prints, and a lone "%" fails each --help
+    # built from these (HfArgumentParser's, accelerate-roundpipe config's).
     host_memory_budget: float | str | None = field(default=None, metadata={
         "help": "Host memory the store may fill, in GiB; past it optimizer state goes to offload_dir. Default: "
-                "the memory available less 20%."})
+                "the memory available less 20 percent."})
     offload_dir: str | None = field(default=None, metadata={
         "help": "Folder of the disk tier's swap files. Default: $XDG_CACHE_HOME/roundpipe/offload "
                 "(~/.cache/roundpipe/offload)."})
@@ -441,7 +451,7 @@ class RoundPipeConfig:
         self._given = {name: given for name, given in (sources or {}).items() if getattr(self, name) is not None}
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
-                for name in (ENV_PREFIX + f.name.upper(), *f.metadata.get("env_aliases", ())):
+                for name in environment_variables(f.name):
                     raw = os.environ.get(name)
                     if raw is not None and raw.strip() != "":
                         setattr(self, f.name, raw)

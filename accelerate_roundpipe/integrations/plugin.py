@@ -12,20 +12,16 @@ import difflib
 import os
 from dataclasses import dataclass
 
-from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError
+from ..config import ENV_PREFIX, Given, RoundPipeConfig, SettingError, environment_variables
 
 WHERE_SETTINGS_COME_FROM = ("(settings come from RoundPipePlugin(...) arguments, --roundpipe_* training arguments, the "
                             "`roundpipe:` section of the accelerate config, or ROUNDPIPE_* environment variables)")
 
 
 def known_variables() -> list[str]:
-    """Every `ROUNDPIPE_*` variable RoundPipe reads: one per `RoundPipeConfig` field, plus the aliases a field
-    declares in its `env_aliases` metadata."""
-    names = set()
-    for f in dataclasses.fields(RoundPipeConfig):
-        names.add(ENV_PREFIX + f.name.upper())
-        names.update(f.metadata.get("env_aliases", ()))
-    return sorted(names)
+    """Every `ROUNDPIPE_*` variable RoundPipe reads: one per `RoundPipeConfig` field, plus the aliases `ENV_ALIASES`
+    gives a field."""
+    return sorted(name for f in dataclasses.fields(RoundPipeConfig) for name in environment_variables(f.name))
 
 
 def check_variable_names(environ: dict[str, str] | None = None) -> None:

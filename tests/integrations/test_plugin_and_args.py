@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from accelerate_roundpipe import RoundPipeConfig, RoundPipePlugin, RoundPipeTrainingArguments
+from accelerate_roundpipe.config import ENV_ALIASES
 from accelerate_roundpipe.integrations.plugin import check_variable_names, known_variables
 from accelerate_roundpipe.integrations.trainer import check_training_args
 from accelerate_roundpipe.integrations.training_args import PREFIX, plugin_from_training_args
@@ -71,6 +72,49 @@ def test_training_arguments_parse_and_become_a_plugin(tmp_path):
     assert plugin.num_microbatches == 3  # the flag beats the environment
     assert plugin.recompute == "layer"  # unset flags defer to the environment
     assert plugin.param_dtype == torch.bfloat16
+
+
+def test_training_arguments_help_prints(capsys):
+    """argparse %-formats each help text: a lone "%" in an engine field's help failed `--help` of every HF script."""
+    from transformers import HfArgumentParser
+
+    with pytest.raises(SystemExit) as exit_:
+        HfArgumentParser(RoundPipeTrainingArguments).parse_args_into_dataclasses(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"--{PREFIX}{name}" in out for name in CONFIG_FIELDS)
+
+
+@pytest.mark.parametrize("settings", [RoundPipePlugin, RoundPipeConfig])
+def test_plugin_and_config_build_an_hf_argument_parser(settings, capsys):
+    """HF scripts build their parser from the dataclasses they are handed, and `HfArgumentParser` passes every key of
+    a field's `metadata` but `aliases` to argparse's `add_argument`: a key argparse does not take (the variable
+    aliases once kept there) failed the parser's construction."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(settings)
+    (parsed,) = parser.parse_args_into_dataclasses(["--num_microbatches", "4", "--devices", "cpu", "cpu"])
+    assert type(parsed) is settings
+    assert parsed.num_microbatches == 4 and parsed.devices == ["cpu", "cpu"]
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args_into_dataclasses(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--num_microbatches" in help_text and "--trace_path" in help_text
+
+
+def test_variable_aliases_are_read_and_known(tmp_path):
+    """The aliases live in `ENV_ALIASES` beside the fields, not in their metadata; each names a field, is read as
+    that field's variable (after ROUNDPIPE_<FIELD>), and is a known variable, not a misspelt one."""
+    assert set(ENV_ALIASES) <= set(CONFIG_FIELDS)
+    assert all(not set(f.metadata) - {"help"} for f in dataclasses.fields(RoundPipeConfig))  # argparse-safe
+    trace = str(tmp_path / "trace.json")
+    with mock.patch.dict(os.environ, {"ROUNDPIPE_TRACE": trace}):
+        check_variable_names()
+        assert RoundPipePlugin().trace_path == trace
+    with mock.patch.dict(os.environ, {"ROUNDPIPE_TRACE": trace, "ROUNDPIPE_TRACE_PATH": trace + ".own"}):
+        assert RoundPipePlugin().trace_path == trace + ".own"  # the field's own variable first
+    assert "ROUNDPIPE_TRACE" in known_variables()
 
 
 def fake_args(**values) -> SimpleNamespace:

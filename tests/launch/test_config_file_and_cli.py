@@ -3,11 +3,13 @@ runpy launcher and `install()`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from unittest import mock
 
 import pytest
 
+from accelerate_roundpipe.config import RoundPipeConfig
 from accelerate_roundpipe.launch import cli, config_file, install, run_script
 
 
@@ -138,6 +140,15 @@ def test_help_describes_every_command(capsys):
     for name, (_, text) in cli.COMMANDS.items():
         assert f"  {name:<9} {text}" in out
     assert "accelerate-roundpipe COMMAND --help" in out and "python -m accelerate_roundpipe.run" in out
+
+
+def test_config_help_names_every_setting(capsys):
+    """The `config` command's flags carry the engine fields' help texts, which argparse %-formats."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["config", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"--{f.name}" in out for f in dataclasses.fields(RoundPipeConfig))
     with pytest.raises(SystemExit) as exit_info:
         cli.main([])
     assert exit_info.value.code == 2 and "usage: accelerate-roundpipe" in capsys.readouterr().out
