@@ -202,6 +202,10 @@ VARIANT_SWITCHES = (
     VariantSwitch("limits-without-placed-state", "accelerate_roundpipe.runtime.execution.measured_plan",
                   "COUNT_PLACED_STATE", False, "the saved-input and look-ahead limits without the optimizer state "
                   "placed on the device, as before [Note: limits in allocated bytes]"),
+    VariantSwitch("one-swap-file", "accelerate_roundpipe.runtime.state.disk_tier", "MAX_PIECES", 1,
+                  "each disk bucket's swap file in one piece, as before [Note: swap files in pieces]"),
+    VariantSwitch("four-io-threads", "accelerate_roundpipe.runtime.disk.io_threads", "IO_THREADS", 4,
+                  "the disk tier's 4 I/O threads of before [Note: swap files in pieces]"),
     # every layer input fits the host's share: one-layer stages
     VariantSwitch("one-layer-first-pass", "accelerate_roundpipe.runtime.execution.first_pass", "SAVED_HOST_SHARE",
                   math.inf, "the unplanned first pass with one-layer backward stages whatever its saved inputs take "

@@ -8,7 +8,7 @@ bucket's chunks may run at one thread's rate. This measures, in the offload fold
   `files` files (chunk i in file i % files), in GB/s;
 - `staging`: the engine's own `DiskStaging` (its slots, its I/O threads, its files): `--buckets` buckets of
   `--bucket-gib` each scheduled, acquired and released dirty in order, as one step of the tier, in GB/s of reads plus
-  writes, for each I/O thread count and stripe count.
+  writes, for each I/O thread count and each count of pieces a bucket's file is cut into.
 
     python3 benchmarks/swap_rate.py [--folder DIR] [--gib 4] [--buckets 8] [--bucket-gib 1] [--out results.jsonl]
 """
@@ -31,7 +31,6 @@ from accelerate_roundpipe.runtime.disk import BucketLayout, TensorSpec, bucket_f
 from benchmarks.records import emit  # noqa: E402
 
 CHUNK = 16 * 2**20
-RAW_SHAPES = ((1, 1), (4, 1), (4, 4), (8, 1), (8, 8), (16, 16))  # (threads, files)
 
 
 def filesystem_of(folder: str) -> str:
@@ -80,9 +79,12 @@ def raw_rates(folder: str, nbytes: int, threads: int, files: int) -> tuple[float
     return nbytes / 1e9 / write_s, nbytes / 1e9 / read_s
 
 
-def staging_rate(folder: str, buckets: int, bucket_bytes: int, io_threads: int, slots: int = 3) -> float:
-    """GB/s of reads plus writes of one step of `buckets` disk buckets through the engine's staging (files hot)."""
-    layouts = {k: BucketLayout.of([TensorSpec("optim", bucket_bytes // 4, torch.float32)]) for k in range(buckets)}
+def staging_rate(folder: str, buckets: int, bucket_bytes: int, io_threads: int, pieces: int, slots: int = 3) -> float:
+    """GB/s of reads plus writes of one step of `buckets` disk buckets through the engine's staging (files hot),
+    each bucket's file in `pieces` equal pieces ([Note: swap files in pieces])."""
+    numel = bucket_bytes // 4
+    splits = tuple(numel * i // pieces // 1024 * 1024 for i in range(1, pieces))
+    layouts = {k: BucketLayout.of([TensorSpec("optim", numel, torch.float32)], splits) for k in range(buckets)}
     staging = open_swap(folder, layouts, slots, io_threads=io_threads, timeout_s=600.0)
     try:
         image = torch.randint(0, 256, (layouts[0].nbytes,), dtype=torch.uint8)
@@ -110,7 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gib", type=float, default=4.0, help="bytes of each raw measurement, GiB")
     parser.add_argument("--buckets", type=int, default=8)
     parser.add_argument("--bucket-gib", type=float, default=1.0)
-    parser.add_argument("--io-threads", default="4,8,16", help="the staging's I/O thread counts to measure")
+    parser.add_argument("--io-threads", default="4,8", help="the staging's I/O thread counts to measure")
+    parser.add_argument("--pieces", default="1,8", help="the swap files' piece counts to measure")
+    parser.add_argument("--raw", default="1x1,8x1,8x8,16x16", help="raw (threads x files) shapes to measure")
     parser.add_argument("--out", default=None, help="a JSON-lines file the records are appended to")
     return parser.parse_args(argv)
 
@@ -122,19 +126,19 @@ def main(argv: list[str] | None = None) -> None:
     fs = filesystem_of(base)
     nbytes = int(args.gib * 2**30) // CHUNK * CHUNK
     with tempfile.TemporaryDirectory(dir=base, prefix="swap-rate-") as folder:
-        for threads, files in RAW_SHAPES:
+        for threads, files in (tuple(int(n) for n in shape.split("x")) for shape in args.raw.split(",")):
             write, read = raw_rates(folder, nbytes, threads, files)
             print(f"raw    threads {threads:2d} files {files:2d}: write {write:6.2f} GB/s, read {read:6.2f} GB/s "
                   f"({fs}, {nbytes / 2**30:.1f} GiB)", flush=True)
             emit({"kind": "swap_raw", "threads": threads, "files": files, "write_gbps": round(write, 3),
                   "read_gbps": round(read, 3), "nbytes": nbytes, "filesystem": fs}, args.out)
-    for threads in (int(t) for t in args.io_threads.split(",")):
-        rate = staging_rate(base, args.buckets, int(args.bucket_gib * 2**30), threads)
-        print(f"staging io_threads {threads:2d}: {rate:6.2f} GB/s of reads + writes ({args.buckets} buckets of "
-              f"{args.bucket_gib:g} GiB, 3 slots, {fs})", flush=True)
-        emit({"kind": "swap_staging", "io_threads": threads, "gbps": round(rate, 3), "buckets": args.buckets,
-              "bucket_bytes": int(args.bucket_gib * 2**30), "filesystem": fs}, args.out)
-
+    for pieces in (int(p) for p in args.pieces.split(",")):
+        for threads in (int(t) for t in args.io_threads.split(",")):
+            rate = staging_rate(base, args.buckets, int(args.bucket_gib * 2**30), threads, pieces)
+            print(f"staging io_threads {threads:2d} pieces {pieces}: {rate:6.2f} GB/s of reads + writes "
+                  f"({args.buckets} buckets of {args.bucket_gib:g} GiB, 3 slots, {fs})", flush=True)
+            emit({"kind": "swap_staging", "io_threads": threads, "pieces": pieces, "gbps": round(rate, 3),
+                  "buckets": args.buckets, "bucket_bytes": int(args.bucket_gib * 2**30), "filesystem": fs}, args.out)
 
 if __name__ == "__main__":
     main()

@@ -172,6 +172,17 @@ def test_the_swap_rate_group_runs_the_benchmark_with_arguments_it_takes(tmp_path
     assert (args.gib, args.buckets, args.bucket_gib) == (4.0, 8, 1.0)
 
 
+def test_the_pieces_ab_group_runs_the_baseline_then_the_disk_with_and_without_pieces(tmp_path):
+    done, calls, log = bench(tmp_path, "disk-cap24-b64-pieces-ab")
+    assert done.returncode == 0, done.stderr
+    ours = [run.parse_args(c.split()[1:]) for c in calls if c.startswith("benchmarks/run.py ")]
+    assert [(a.workload, a.roundpipe, a.one_swap_file, a.four_io_threads) for a in ours] == [
+        ("qwen3-4b-full-s4096-b64-cap24", {}, False, False),
+        ("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, False, False),
+        ("qwen3-4b-full-s4096-b64-cap24", {"host_memory_budget": "24"}, True, True)]
+    assert sum(int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3", log, re.M)) <= 585  # one call
+
+
 def test_every_variant_switch_names_an_attribute_its_module_has():
     """A switch sets one module attribute; a renamed attribute would make it set a new, unused name silently."""
     import importlib

@@ -29,6 +29,7 @@ from accelerate_roundpipe import RoundPipe, RoundPipeConfig
 from accelerate_roundpipe.config import SettingError
 from accelerate_roundpipe.runtime.disk import OffloadSettingError, folder_checks
 from accelerate_roundpipe.runtime.disk.swap_folder import PREFIX
+from accelerate_roundpipe.runtime.state import disk_tier
 from accelerate_roundpipe.runtime.state.disk_tier import DiskTier, host_state_bytes, layout_of
 
 from toy_models import Block, Embed, Head, Merge, Split, plain_adamw_training, run_layers
@@ -651,3 +652,38 @@ def test_an_exact_step_takes_disk_buckets_in_the_announced_order(tmp_path):
     finally:
         engine.close()
     time.sleep(0)
+
+
+@pytest.fixture
+def swap_file_pieces(monkeypatch) -> list[int]:
+    """Every disk bucket of more than one parameter in swap file pieces ([Note: swap files in pieces]); the piece
+    counts the layouts got."""
+    counts: list[int] = []
+    original = disk_tier.piece_splits
+
+    def cut_small(bucket, piece_bytes=None, max_pieces=None):
+        splits = original(bucket, piece_bytes=1, max_pieces=max_pieces)
+        counts.append(len(splits) + 1)
+        return splits
+
+    monkeypatch.setattr(disk_tier, "piece_splits", cut_small)
+    return counts
+
+
+@pytest.mark.parametrize("mix", ["all disk", "device+host+disk"])
+def test_exact_steps_with_swap_files_in_pieces_equal_plain_torch(tmp_path, swap_file_pieces, mix):
+    test_exact_steps_equal_plain_torch_for_every_mix_of_tiers(tmp_path, mix)
+    assert max(swap_file_pieces) > 1  # the files really were in pieces
+
+
+def test_lagged_steps_with_swap_files_in_pieces_lag_as_the_hosts(tmp_path, swap_file_pieces):
+    test_lagged_steps_lag_the_disks_buckets_as_the_hosts(tmp_path, "all disk")
+    assert max(swap_file_pieces) > 1
+
+
+@pytest.mark.parametrize("before, after", [("all disk", "host"), ("host", "all disk")])
+def test_resume_with_swap_files_in_pieces_is_bitwise(tmp_path, swap_file_pieces, before, after):
+    """The checkpoint maps a pieced file's state parameter by parameter (each inside one piece) and loads back
+    into pieces: the same bits as the uninterrupted run."""
+    test_resume_across_tiers_is_bitwise(tmp_path, before, after, None)
+    assert max(swap_file_pieces) > 1

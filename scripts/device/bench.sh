@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
 # moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
-# disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
+# disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
@@ -30,7 +30,7 @@ WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
-WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
+WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-pieces-ab disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
 CALL_S=${BENCH_CALL_S:-585}
@@ -305,8 +305,9 @@ run_ours() {
     step 200 python3 benchmarks/call_memory.py --workload qwen3-4b-full-s4096-b8-cap24 --call-rows 8 \
       --accumulation 1,8 --steps 3 --out "$OUT/call_memory.jsonl" ;;
   swap-rate)  # the disk tier's reads and writes through the page cache (benchmarks/swap_rate.py): threads against
-    # files for raw pwrite/pread, then the engine's staging at 4, 8 and 16 I/O threads
-    step 150 python3 benchmarks/swap_rate.py --gib 4 --buckets 8 --bucket-gib 1 --out "$OUT/swap_rate.jsonl" ;;
+    # files for raw pwrite/pread, then the engine's staging at 4 and 8 I/O threads, one file a bucket and 8 pieces
+    step 150 python3 benchmarks/swap_rate.py --gib 4 --buckets 8 --bucket-gib 1 --io-threads 4,8 --pieces 1,8 \
+      --out "$OUT/swap_rate.jsonl" ;;
   disk-cap24)  # the disk tier under the 24 GiB cap: Qwen3-4B full fine-tune, exact step, with host_memory_budget=24
     # (optimizer copies and states past it in swap files), then the same run with nothing on disk (the default
     # budget); the engine's placement otherwise (auto: some state on the GPU). Each record holds the disk's probe.
@@ -324,6 +325,14 @@ run_ours() {
     w=qwen3-4b-full-s4096-b64-cap24
     ours 170 $w roundpipe-engine --warm 1 --iters 2 --disk-probe
     ours 300 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24 ;;
+  disk-cap24-b64-pieces-ab)  # [Note: swap files in pieces] on issue 33's 4B target: the baseline (default host
+    # budget), the disk run (swap files in pieces, up to 8 I/O threads), then the disk run as before (one file a
+    # bucket, 4 I/O threads); 1 warm-up + 2 timed steps each
+    w=qwen3-4b-full-s4096-b64-cap24
+    ours 150 $w roundpipe-engine --warm 1 --iters 2 --disk-probe
+    ours 215 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24
+    ours 215 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24 --one-swap-file \
+      --four-io-threads ;;
   disk-cap24-b64-lagged)  # beside disk-cap24-b64: the same disk run with the step one step late
     # (async_optimizer), whose disk reads and writes run under the next step's 8 calls instead of between them
     ROUNDPIPE_ASYNC_OPTIMIZER=true ours 320 qwen3-4b-full-s4096-b64-cap24 roundpipe-engine --warm 2 --iters 2 \

@@ -54,7 +54,7 @@ class _Staged:
 class DiskStaging:
     """K staging slots over `files`, with their prefetcher ([Note: disk staging protocol])."""
 
-    def __init__(self, files: SwapFiles, slots: int, *, io_threads: int = 4, timeout_s: float = 60.0,
+    def __init__(self, files: SwapFiles, slots: int, *, io_threads: int | None = None, timeout_s: float = 60.0,
                  hook: Hook | None = None, pin_memory: bool | None = None,
                  allocate: Callable[[int], torch.Tensor] | None = None, chunk_bytes: int = CHUNK_BYTES,
                  span: Span | None = None) -> None:

@@ -51,14 +51,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..disk import BucketLayout, DiskBandwidth, DiskStaging, TensorSpec, open_swap, probe_bandwidth
+from ..disk.bucket_file import MappedFlat
 from .tiers import Bucket, StateTier
 
 OPTIM = "optim"  # the optimizer copy's name in a bucket's layout
 SLOTS = 3  # staging slots: one stepped, one written back, one read ahead
+PIECE_BYTES = 48 * 2**20  # of a bucket's optimizer copy a swap file's piece holds, about ([Note: swap files in pieces])
+MAX_PIECES = 8
 PROBE_MIN_BYTES = 4 * 2**20
 PROBE_MAX_BYTES = 256 * 2**20
 
@@ -81,7 +83,25 @@ def host_state_bytes(bucket: Bucket, copies: int) -> int:
 
 def layout_of(bucket: Bucket, names: tuple[str, ...]) -> BucketLayout:
     numel, dtype = bucket.optim.numel(), bucket.optim.dtype
-    return BucketLayout.of([TensorSpec(OPTIM, numel, dtype), *(TensorSpec(name, numel, dtype) for name in names)])
+    return BucketLayout.of([TensorSpec(OPTIM, numel, dtype), *(TensorSpec(name, numel, dtype) for name in names)],
+                           piece_splits(bucket))
+
+
+def piece_splits(bucket: Bucket, piece_bytes: int | None = None, max_pieces: int | None = None) -> tuple[int, ...]:
+    """Where the bucket's swap file is cut into pieces ([Note: swap files in pieces]): at the parameter boundaries
+    nearest to equal shares of about `PIECE_BYTES` of its optimizer copy, at most `MAX_PIECES`; none for a small
+    bucket or one parameter. Every parameter's values then lie in one piece."""
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    max_pieces = MAX_PIECES if max_pieces is None else max_pieces
+    numel = bucket.optim.numel()
+    count = min(max_pieces, numel * bucket.optim.element_size() // max(1, piece_bytes))
+    if count < 2:
+        return ()
+    bounds = [b for b in sorted({slot.offset for slot in bucket.slots} - {0}) if b < numel]
+    if not bounds:
+        return ()
+    chosen = {min(bounds, key=lambda b, target=numel * i // count: abs(b - target)) for i in range(1, count)}
+    return tuple(sorted(chosen))
 
 
 def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -257,7 +277,7 @@ class DiskTier(StateTier):
                 self._take_entries(bucket, views, state)
                 bucket.point_optim(self.stand_in_of(bucket), resident=False)
 
-    def optim_values(self, bucket: Bucket) -> torch.Tensor:
+    def optim_values(self, bucket: Bucket) -> MappedFlat:
         return self._mapped(bucket)[OPTIM]
 
     def close(self) -> None:
@@ -318,18 +338,12 @@ class DiskTier(StateTier):
         if write:
             file.write_range(image, 0, layout.nbytes)
 
-    def _mapped(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        """The bucket's file image mapped copy-on-write (read when read; written by nobody), its write-backs done."""
+    def _mapped(self, bucket: Bucket) -> dict[str, MappedFlat]:
+        """The bucket's file image mapped copy-on-write (read when read; written by nobody), its write-backs done:
+        each tensor piece by piece, every parameter's slice a view of one piece."""
         self.staging.flush()
-        file, layout = self.staging.files[bucket.index], self.staging.files.layouts[bucket.index]
-        out = {}
-        for spec, offset in zip(layout.specs, layout.offsets):
-            if spec.numel == 0:
-                out[spec.name] = torch.empty(0, dtype=spec.dtype)
-                continue
-            array = np.memmap(file.path, dtype=np.uint8, mode="c", offset=offset, shape=(spec.nbytes,))
-            out[spec.name] = torch.from_numpy(array).view(spec.dtype)
-        return out
+        file = self.staging.files[bucket.index]
+        return {spec.name: file.mapped(spec.name) for spec in file.layout.specs}
 
 
 def _slot_view(flat: torch.Tensor, slot) -> torch.Tensor:
