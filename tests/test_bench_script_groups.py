@@ -4,6 +4,7 @@ time limits) is read back, and our command lines are checked by `benchmarks/run.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -128,14 +129,20 @@ def test_the_32b_ab_group_runs_the_default_then_each_change_taken_out(tmp_path):
     assert sum(int(m) for m in re.findall(r"^=== \[\d+ s\] (\d+) python3", log, re.M)) <= 585  # one call
 
 
+def _own_command(tmp_path, group: str, module) -> argparse.Namespace:
+    """The arguments of the group's one command, a script with its own parser: parsed by that parser (a command
+    line it would refuse fails here)."""
+    done, calls, _ = bench(tmp_path, group)
+    assert done.returncode == 0, done.stderr
+    command = calls[0].split()
+    assert command[0] == f"benchmarks/{module.__name__.rsplit('.', 1)[-1]}.py"
+    return module.parse_args(command[1:])
+
+
 def test_the_call_memory_group_runs_each_count(tmp_path):
     from benchmarks import call_memory
 
-    done, calls, _ = bench(tmp_path, "call-memory")
-    assert done.returncode == 0, done.stderr
-    command = calls[0].split()
-    assert command[0] == "benchmarks/call_memory.py"
-    args = call_memory.parse_args(command[1:])  # a command line its own parser takes
+    args = _own_command(tmp_path, "call-memory", call_memory)
     assert (args.workload, args.call_rows, args.accumulation, args.steps) == (
         "qwen3-4b-full-s4096-b8-cap24", 8, "1,8", 3)
 
@@ -164,11 +171,7 @@ def test_the_limits_ab_groups_run_the_default_then_the_limits_as_before(tmp_path
 def test_the_swap_rate_group_runs_the_benchmark_with_arguments_it_takes(tmp_path):
     from benchmarks import swap_rate
 
-    done, calls, _ = bench(tmp_path, "swap-rate")
-    assert done.returncode == 0, done.stderr
-    command = calls[0].split()
-    assert command[0] == "benchmarks/swap_rate.py"
-    args = swap_rate.parse_args(command[1:])
+    args = _own_command(tmp_path, "swap-rate", swap_rate)
     assert (args.gib, args.buckets, args.bucket_gib) == (4.0, 8, 1.0)
 
 

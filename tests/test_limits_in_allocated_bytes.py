@@ -17,8 +17,8 @@ from accelerate_roundpipe.runtime.execution import measured_plan
 from toy_models import batch, tied_model
 
 
-def _plans_of_two_steps(monkeypatch, placement: str) -> tuple[RoundPipe, list]:
-    """The engine after two training steps (the second one re-planned) and every pass plan it made."""
+def _plans_of_three_steps(monkeypatch, placement: str) -> tuple[RoundPipe, list]:
+    """The engine after three training steps (from the second on re-planned) and every pass plan it made."""
     made = []
     original = pass_launch.PassPlan
 
@@ -40,7 +40,7 @@ def _plans_of_two_steps(monkeypatch, placement: str) -> tuple[RoundPipe, list]:
 
 @pytest.mark.parametrize("placement", ["device", "host"])
 def test_a_pass_plan_carries_the_planned_rooms_plus_the_state_on_the_device(monkeypatch, placement):
-    engine, made = _plans_of_two_steps(monkeypatch, placement)
+    engine, made = _plans_of_three_steps(monkeypatch, placement)
     try:
         plan = engine._launch.plan
         state = engine.optimizer_placement.most_on_one_device()
@@ -57,7 +57,7 @@ def test_a_pass_plan_carries_the_planned_rooms_plus_the_state_on_the_device(monk
 
 def test_without_the_switch_the_limits_are_the_rooms(monkeypatch):
     monkeypatch.setattr(measured_plan, "COUNT_PLACED_STATE", False)
-    engine, made = _plans_of_two_steps(monkeypatch, "device")
+    engine, made = _plans_of_three_steps(monkeypatch, "device")
     try:
         plan = engine._launch.plan
         assert plan.device_state_bytes > 0

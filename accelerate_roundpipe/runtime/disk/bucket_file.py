@@ -91,11 +91,6 @@ class BucketFile:
                 os.unlink(piece_file)
             raise
 
-    @property
-    def fd(self) -> int:
-        """The first piece's descriptor (-1 once closed)."""
-        return self.fds[0] if self.fds else -1
-
     def chunks(self, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
         """Bytes [0, nbytes) of the image as (start, stop) chunks of at most `chunk_bytes`, each inside one piece,
         taken from the pieces in turn: chunks in flight together go to different files where there are several."""
@@ -115,32 +110,30 @@ class BucketFile:
 
     def write_range(self, buffer: torch.Tensor, start: int, stop: int) -> None:
         """Bytes [start, stop) of `buffer` (a slot: the file's image) into the same bytes of the file."""
-        data = byte_view(buffer)
-        for fd, path, offset, lo, hi in self._spans(start, stop):
-            write_at(fd, data[lo:hi], offset, path)
+        self._move(write_at, byte_view(buffer), 0, start, stop)
 
     def read_range(self, buffer: torch.Tensor, start: int, stop: int) -> None:
         """Bytes [start, stop) of the file into the same bytes of `buffer`."""
-        data = byte_view(buffer)
-        for fd, path, offset, lo, hi in self._spans(start, stop):
-            read_at(fd, data[lo:hi], offset, path)
+        self._move(read_at, byte_view(buffer), 0, start, stop)
 
     def write_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the bucket's tensors (its layout's names, sizes and dtypes) from their own memory, synchronously:
         the first values, or a state loaded from a checkpoint."""
         self.layout.check_matches(tensors)
         for spec, offset in zip(self.layout.specs, self.layout.offsets):
-            data = byte_view(tensors[spec.name])
-            for fd, path, file_offset, lo, hi in self._spans(offset, offset + spec.nbytes):
-                write_at(fd, data[lo - offset:hi - offset], file_offset, path)
+            self._move(write_at, byte_view(tensors[spec.name]), offset, offset, offset + spec.nbytes)
 
     def read_tensors_into(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Read the bucket's tensors into `tensors` (its layout's names, sizes and dtypes), synchronously."""
         self.layout.check_matches(tensors)
         for spec, offset in zip(self.layout.specs, self.layout.offsets):
-            data = byte_view(tensors[spec.name])
-            for fd, path, file_offset, lo, hi in self._spans(offset, offset + spec.nbytes):
-                read_at(fd, data[lo - offset:hi - offset], file_offset, path)
+            self._move(read_at, byte_view(tensors[spec.name]), offset, offset, offset + spec.nbytes)
+
+    def _move(self, move, data: memoryview, data_start: int, start: int, stop: int) -> None:
+        """`move` (`read_at` or `write_at`) image bytes [start, stop) piece by piece; `data` holds the image's bytes
+        from `data_start` on."""
+        for fd, path, file_offset, lo, hi in self._spans(start, stop):
+            move(fd, data[lo - data_start:hi - data_start], file_offset, path)
 
     def read_tensors(self) -> dict[str, torch.Tensor]:
         """The bucket's tensors, read into new CPU tensors."""
@@ -188,10 +181,6 @@ class MappedFlat:
         parts = [segment[max(start, first) - first:min(stop, first + segment.numel()) - first]
                  for first, segment in self.segments if first < stop and start < first + segment.numel()]
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
-
-    def whole(self) -> torch.Tensor:
-        """The whole tensor: the mapping itself when it is one piece, else read into memory."""
-        return self[0:self._numel]
 
 
 def _create(path: str, nbytes: int) -> int:

@@ -23,7 +23,8 @@ from .errors import SwapIOError, SwapTimeoutError
 
 CHUNK_BYTES = 16 * 2**20
 # Through the page cache a thread copies about 4-5 GB/s; 8 threads on 8 files wrote 33.7 GB/s on the H100 machine
-# ([Note: swap files in pieces]). Up to one a core: the step's own threads need the rest.
+# ([Note: swap files in pieces]). At least the 4 of before; more only up to one a core (the step's own threads run
+# beside them), and 8 at most.
 IO_THREADS = min(8, max(4, os.cpu_count() or 4))
 Hook = Callable[[str, str, int, int], None]
 Span = Callable[[str, str, int, int], contextlib.AbstractContextManager]
