@@ -12,7 +12,7 @@ import os
 from collections.abc import Hashable, Mapping
 
 from .bandwidth import DiskBandwidth, probe_bandwidth
-from .bucket_file import BucketFile
+from .bucket_file import BucketFile, MappedFlat
 from .errors import OffloadSettingError, StagingOrderError, SwapIOError, SwapTimeoutError
 from .folder_checks import check_folder, check_free_space, check_offload_dir, required_free_bytes
 from .layout import ALIGN, BucketLayout, TensorSpec
@@ -21,7 +21,7 @@ from .staging import DiskStaging
 from .swap_files import SwapFiles
 from .swap_folder import SwapFolder, remove_leftovers
 
-__all__ = ["ALIGN", "BucketFile", "BucketLayout", "DiskBandwidth", "DiskStaging", "OffloadSettingError",
+__all__ = ["ALIGN", "BucketFile", "BucketLayout", "DiskBandwidth", "DiskStaging", "MappedFlat", "OffloadSettingError",
            "StagingOrderError", "SwapFiles", "SwapFolder", "SwapIOError", "SwapTimeoutError", "TensorSpec",
            "available_memory_bytes", "check_folder", "check_free_space", "check_offload_dir",
            "default_host_memory_budget", "open_swap", "probe_bandwidth", "remove_leftovers", "required_free_bytes"]

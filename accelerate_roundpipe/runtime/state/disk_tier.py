@@ -53,8 +53,7 @@ from typing import Any
 
 import torch
 
-from ..disk import BucketLayout, DiskBandwidth, DiskStaging, TensorSpec, open_swap, probe_bandwidth
-from ..disk.bucket_file import MappedFlat
+from ..disk import BucketLayout, DiskBandwidth, DiskStaging, MappedFlat, TensorSpec, open_swap, probe_bandwidth
 from .tiers import Bucket, StateTier
 
 OPTIM = "optim"  # the optimizer copy's name in a bucket's layout
