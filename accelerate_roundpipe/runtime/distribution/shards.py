@@ -194,6 +194,16 @@ on the optimizer thread; see [Note: data parallel]."""
         """What this rank's shard holds, for a checkpoint: per shard parameter, its bucket, name and range."""
         return [[p.bucket_index, p.slot_name, p.start, p.end] for p in self._pieces]
 
+    def release(self) -> None:
+        """The engine closed: let go of the shard optimizer (its state and its views of the optimizer copies), the
+        shards' gradients and the steppers ([Note: memory freed at close]); nothing steps afterwards."""
+        self.optimizer.state.clear()
+        self.optimizer.param_groups = []
+        self.shards.clear()
+        self._pieces_of_param.clear()
+        self._pieces = []
+        self.steppers = None
+
     def state_dict(self) -> dict[str, Any]:
         for mine, theirs in zip(self.optimizer.param_groups, self.user.param_groups):
             mine.update(self._hyper(theirs))  # an LR scheduler wrote the user's groups

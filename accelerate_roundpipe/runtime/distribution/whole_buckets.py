@@ -67,6 +67,12 @@ class WholeBuckets:
     def finish_step(self, bucket: Bucket) -> None:
         """Nothing to exchange: the stepped optimizer copy is the whole bucket's."""
 
+    def release(self) -> None:
+        """The engine closed: let go of the optimizer state and of the steppers' views of the optimizer copies
+        ([Note: memory freed at close]); nothing steps afterwards."""
+        self.owner.state.clear()
+        self.steppers = None
+
     def state_dict(self) -> dict[str, Any]:
         """The user's optimizer's state dict format, with the hyper-parameters of the user's groups now."""
         for mine, theirs in zip(self.owner.param_groups, hyper_parameters(self.user.param_groups)):

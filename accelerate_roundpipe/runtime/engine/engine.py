@@ -42,6 +42,7 @@ from ..state.placement import OptimizerPlacement
 from ..state.weight_edits import FrozenEdits, WeightEdits, apply_edits, kept_values
 from . import engine_checkpoint
 from .engine_parts import build_engine_parts
+from .engine_threads import note_exit_before_finalizers
 from .pass_launch import PipelineBackward as _PipelineBackward  # the name integrations read
 from .snapshot import engine_snapshot
 
@@ -375,7 +376,7 @@ class RoundPipe(HostResidentModule):
                     self._finalizer.detach()  # leave the finalizer registry: nothing keeps us alive
                 self._background.stop(join_timeout_s=None)
                 self._exchange.close(clean=self._failure.error is None)
-                self._store.memory.release()
+                self._background.release()  # [Note: memory freed at close]
                 if self.trace is not None:
                     self._write_trace()
                 if self._placement is not None:  # last: a disk failure not raised yet is raised here
@@ -476,6 +477,7 @@ class RoundPipe(HostResidentModule):
             self.optimizer.follow_user_grads()
         if self._launch.before_pass():
             self._finalizer = weakref.finalize(self, self._background.abandon)  # stops the threads it started
+            note_exit_before_finalizers()  # the finalizer frees no memory at exit
             self._microbatches.size_before_start(inputs)  # the summary says why the first pass has its count
             self._launch.size_unplanned(self._microbatches.sizing)  # and shows the partition it runs
             announce(engine_summary(self.snapshot()), self.config.resolved_summary)

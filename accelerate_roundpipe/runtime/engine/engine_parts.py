@@ -5,7 +5,9 @@ optimizer, wrapped at `wrap_optimizer`, which the engine hands to its owners thr
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,28 @@ class EngineParts:
     launch: PassLauncher
 
 
+COLLECT_ABOVE_BYTES = 2**30  # earlier engines' host stores this large are collected before a new one is built
+_stores: weakref.WeakSet[HostStore] = weakref.WeakSet()  # every engine's store while it lives
+
+
+def collect_earlier_engines() -> None:
+    """Before a new engine allocates its host store: collect the earlier engines that are garbage (a notebook's
+    or a sweep's previous Trainer, dropped but still referred to by its own cycles), so that their memory is back
+    first ([Note: memory freed at close]); then warn of those still held. Only when they hold enough to matter:
+    a full collection takes a moment in a large process."""
+    held = [store for store in list(_stores) if not store.released]
+    if sum(store.estimated_bytes for store in held) < COLLECT_ABOVE_BYTES:
+        return
+    gc.collect()
+    held = [store for store in list(_stores) if not store.released]
+    if held:
+        logger.warning(
+            "%d earlier RoundPipe engine(s) are still open, holding about %.1f GiB of host memory (optimizer "
+            "state, gradients, weights): close them (engine.close(); a Trainer's trainer.roundpipe_engine.close()) "
+            "or drop every reference to them if this engine needs that memory.",
+            len(held), sum(store.estimated_bytes for store in held) / 2**30)
+
+
 def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: RoundPipeConfig,
                        allow_short_batches: bool) -> EngineParts:
     devices = [make_device(d, i) for i, d in enumerate(config.resolved_devices())]
@@ -72,9 +96,11 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     exact_steps = not config.resolved_async_optimizer or bool(config.async_warmup_steps)
     # One process, or one rank of a data-parallel group over torch.distributed ([Note: gradient exchange]).
     exchange = gradient_exchange(config.data_parallel, config.resolved_wait_timeout_s)
+    collect_earlier_engines()
     store = HostStore(list(pipeline), config.param_dtype, config.optimizer_dtype, pin, names,
                       pin_optimizer_copies=exact_steps, pad_multiple=exchange.pad_multiple,
                       defer_compute_locks=True)  # [Note: compute copies locked where they cross]
+    _stores.add(store)
     exchange.check_same("the engine settings", _settings_every_rank_shares(config, len(devices), len(pipeline), store))
     exchange.broadcast_weights(store)
     partition = plan_partition(len(pipeline), forward_stages=config.forward_stages,
@@ -96,7 +122,7 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches, sizer)
     dispatch = Dispatcher(config, devices, store, failure, plan, trace)
     deferred = DeferredPasses(store, failure)
-    threads = EngineThreads(dispatch, deferred, failure, exchange)
+    threads = EngineThreads(dispatch, deferred, failure, exchange, store)
     # Run at exit ([Note: clean exit under data parallelism]) or when dropped: the threads exist only now.
     exchange.bind(failure, threads.finish_collectives)
     # A failure during a step refuses reads of the torn weights, on the user's module too ([Note: torn weights]).

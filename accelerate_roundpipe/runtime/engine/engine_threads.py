@@ -4,6 +4,7 @@ alive."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -14,8 +15,27 @@ from ..distribution.gradient_exchange import NoExchange
 from ..execution.deferred import DeferredPasses
 from ..execution.dispatch import Dispatcher
 from ..optimizer.optimizer import RoundPipeOptimizer
+from ..state.host_store import HostStore
 
 logger = logging.getLogger(__name__)
+_exiting = False  # set at interpreter exit, before the finalizers of engines still alive run
+
+
+def note_exit_before_finalizers() -> None:
+    """Register, once, what tells `abandon` that the process is exiting. Called after the engine's finalizer was
+    made: `weakref.finalize` registered its exit hook by then, and exit hooks run last registered first."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_set_exiting)
+
+
+def _set_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+_registered = False
 CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
 
 
@@ -23,8 +43,9 @@ class EngineThreads:
     """The engine's threads, held apart from it so that a finalizer can stop them without keeping it alive."""
 
     def __init__(self, dispatch: Dispatcher, deferred: DeferredPasses, failure: FailureFlag,
-                 exchange: NoExchange | DataParallelGroup) -> None:
+                 exchange: NoExchange | DataParallelGroup, store: HostStore) -> None:
         self.dispatch = dispatch  # the device workers, started on first use
+        self.store = store  # whose buffers `release` lets go of ([Note: memory freed at close])
         self.deferred = deferred  # its host-ops thread resolves deferred commits ([Note: deferred gradient commit])
         self.failure = failure  # closed to cancel pending work when the engine is dropped without close()
         self.exchange = exchange  # [Note: gradient exchange]
@@ -44,6 +65,28 @@ class EngineThreads:
         self.failure.close()
         self.stop()
         self.exchange.close(clean=False)  # its stream threads end; at exit they are waited for
+        if not _exiting:  # at exit the process's memory goes with it, and unlocking it takes time
+            self.release()
+
+    def release(self) -> None:
+        """Once every thread has ended: the workers, the optimizer and the store let go of their buffers
+        ([Note: memory freed at close]). Not while one still runs (a layer longer than `stop`'s timeout, or this
+        very thread, when a collection on it freed the engine): it may be using them, and the collector frees
+        them later."""
+        if any(t.is_alive() for t in self._threads()):
+            return
+        for worker in self.dispatch.workers or []:
+            worker.release()
+        if self.optimizer is not None:
+            self.optimizer.release()
+        self.store.release()
+
+    def _threads(self) -> list[threading.Thread]:
+        threads = [t for worker in self.dispatch.workers or [] for t in worker.threads]
+        threads += [executor.thread for executor in
+                    (self.optimizer.thread if self.optimizer is not None else None, self.deferred.host_ops)
+                    if executor is not None]
+        return [t for t in threads if t.ident is not None]
 
     def finish_collectives(self) -> None:
         """At exit or when dropped, healthy, data-parallel: drain the optimizer thread (its queued steps wait only
@@ -69,15 +112,12 @@ class EngineThreads:
         `join_timeout_s=None` (`close()`) wait until each has ended, however long its current layer or step takes:
         `close()` then frees the host memory, which a thread still running would use; a warning every
         `CLOSE_WARNING_S` names the threads still running."""
-        threads = []
         for worker in self.dispatch.workers or []:
             worker.stop()
-            threads.extend(worker.threads)
         for executor in (self.optimizer.thread if self.optimizer is not None else None, self.deferred.host_ops):
             if executor is not None:
                 executor.stop()
-                threads.append(executor.thread)
-        threads = [t for t in threads if t is not threading.current_thread() and t.ident is not None]
+        threads = [t for t in self._threads() if t is not threading.current_thread()]
         if join_timeout_s is not None:
             for thread in threads:
                 thread.join(join_timeout_s)

@@ -150,6 +150,15 @@ class ParamResidency:
         self.looked_ahead = 0  # tasks prefetched while another prefetched one waited to run (tests read it)
         self.allocated_late = 0  # buckets a partial look-ahead left for the task's take (tests read it)
 
+    def free_all(self) -> None:
+        """The worker's thread stopped at the engine's close: let go of the layer copies, the parameters of tasks
+        taken or prefetched and the idle weight buffers ([Note: memory freed at close])."""
+        self.copies.clear()
+        self._prefetched.clear()
+        self._bind_plans.clear()
+        self._deferred = self._deferred_following = self._running = None
+        self.buffers = WeightBuffers()
+
     def copy(self, layer_index: int) -> LayerCopy:
         copy = self.copies.get(layer_index)
         if copy is None:

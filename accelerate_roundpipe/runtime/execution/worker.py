@@ -135,6 +135,18 @@ class Worker:
         self.queue.put(None)
         self.grad_commits.stop()
 
+    def release(self) -> None:
+        """After `stop()` and the threads' end: let go of the queued jobs and the device's weights
+        ([Note: memory freed at close])."""
+        self._lookahead.clear()
+        self._task_ends.clear()
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.residency.free_all()
+
     @property
     def threads(self) -> list[threading.Thread]:
         return [self.thread] + self.grad_commits.threads

@@ -437,6 +437,13 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         self.replaced = self.replaced or replaced  # by a later optimizer: calls are refused from now on
         self.thread.stop()
 
+    def release(self) -> None:
+        """The engine closed and this thread stopped: the layout lets go of the state
+        ([Note: memory freed at close]); `param_groups` stay the user's optimizer's."""
+        self.layout.release()
+        self._held_writebacks.clear()
+        self._stale_compute.clear()
+
     # ------------------------------------------------------------------ torch.optim.Optimizer API
 
     def state_dict(self) -> dict[str, Any]:

@@ -116,6 +116,23 @@ class Bucket:
         kind = "trainable" if self.trainable else "frozen"
         return f"bucket{self.index}(layers {list(self.layers)}, {kind}, {self.compute.numel()} x {self.compute.dtype})"
 
+    def release(self) -> None:
+        """The engine closed, its threads stopped: let go of the optimizer copy, the gradients and their spare
+        buffers ([Note: memory freed at close]). The compute copy stays: the user's module views it."""
+        with self.grads_lock:
+            for slot in self.slots:
+                for param in (slot.optim, slot.twin):
+                    if param is not None:
+                        param.grad = None
+                slot.optim = slot.twin = None
+            self.optim = self.grad = self.pending = None
+            self.grad_valid = False
+            self.grad_views.clear()
+            self.attached.clear()
+            while not self.spare_grads.empty():
+                self.spare_grads.get_nowait()
+        self.versions.release()
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 

@@ -89,6 +89,12 @@ class GradBufferPool:
         if excess:
             self.memory.give_back(*excess)
 
+    def release(self) -> None:
+        """The engine closed: let go of the free buffers ([Note: memory freed at close])."""
+        with self._lock:
+            self._free.clear()
+            self.bytes = 0
+
     def free_bytes(self) -> int:
         with self._lock:
             return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)

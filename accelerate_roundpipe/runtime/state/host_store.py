@@ -90,6 +90,7 @@ class HostStore:
         self.layers = layers
         # Trainable buckets are padded to a multiple of this: equal per-rank ranges ([Note: data parallel]).
         self.pad_multiple = pad_multiple
+        self.released = False  # `release()` ran: the engine closed ([Note: memory freed at close])
         self.pin_memory = pin_memory
         # Exact steps upload the optimizer copies themselves ([Note: exact step without write-back]); locked once
         # the placement has kept them on the host ([Note: optimizer copies locked after the placement]).
@@ -288,6 +289,26 @@ class HostStore:
         for layer in layers:
             used.update(self.layer_buckets[layer])
         return sorted(used)
+
+    def release(self) -> None:
+        """[Note: memory freed at close]
+        The engine's objects refer to one another (workers, their residencies and commit queues, the store, the
+        optimizer and its layout): once dropped they are freed by Python's cycle collector, not when the last
+        reference goes, and a collection of the oldest generation can be long in coming. So the optimizer state, the
+        optimizer copies and the gradients (about 20 of the 22 host bytes of a trainable parameter, and a device's
+        share where state is placed on it) stayed allocated after `close()` (or after an engine was dropped without
+        it) until the collector ran, twice: a notebook's or a sweep's next engine could find the host full. At
+        `close()`, and when a dropped engine's finalizer has stopped its threads, each owner lets go of its buffers
+        (the buckets here, the optimizer's layout, each worker's reusable weight buffers), so their memory goes
+        back at once whatever still refers to the engine. The compute copies stay: the user's module views them.
+        An optimizer copy the user still holds (their optimizer was built over `engine.parameters()`) stays with
+        it; its `.grad` is cleared. A new engine collects earlier engines that are only garbage before it allocates
+        (`engine_parts.collect_earlier_engines`)."""
+        for bucket in self.buckets:
+            bucket.release()
+        self.grad_pool.release()
+        self.memory.release()
+        self.released = True
 
     def weights_stay_on(self, device: torch.device) -> bool:
         """Whether every bucket's weights are read from memory on `device` by its tasks: each bucket trainable and

@@ -84,6 +84,10 @@ class WeightVersions:
         self._optim_resident = True
         self._new_versions_reserved = 0
 
+    def release(self) -> None:
+        """The engine closed: let go of the optimizer copy and the kept versions ([Note: memory freed at close])."""
+        self._optim = self._stash = self._newest = None
+
     # ------------------------------------------------------------------ what readers ask
 
     @property

@@ -1,0 +1,116 @@
+"""[Note: memory freed at close]: the optimizer state and the gradients go back when the engine closes (or, dropped
+without `close()`, when its finalizer has stopped its threads), without waiting for Python's cycle collector; a new
+engine collects earlier engines that are only garbage before it allocates. The collector is off in every test here:
+whatever is freed is freed by reference counting alone, as between two collections of a real run."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from accelerate_roundpipe import RoundPipe, RoundPipeConfig
+from accelerate_roundpipe.runtime.engine import engine_parts
+
+from toy_models import batch, tied_model
+
+
+@pytest.fixture(autouse=True)
+def no_cycle_collector():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+    gc.collect()
+
+
+def _trained(steps: int = 2):
+    engine = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, summary=False))
+    user_optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-3)
+    optimizer = engine.wrap_optimizer(user_optimizer)
+    x, mask, y = batch(rows=4)
+    for _ in range(steps):
+        engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
+        optimizer.step()
+    engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)  # gradients held at the end
+    engine.synchronize()
+    return engine, user_optimizer, optimizer
+
+
+def _storages(engine, optimizer) -> dict[str, list[StorageWeakRef]]:
+    """Weak references to the storages (not the tensor objects: the optimizer's parameters view them through
+    `.data`) of what the engine holds besides the compute copies."""
+    store = engine.host_store
+    refs = {"gradients": [StorageWeakRef(b.grad.untyped_storage()) for b in store.trainable_buckets
+                          if b.grad is not None],
+            "optimizer state": [StorageWeakRef(v.untyped_storage()) for entry in optimizer.state.values()
+                                for v in entry.values() if torch.is_tensor(v) and v.numel() > 1],
+            "optimizer copies": [StorageWeakRef(b.optim.untyped_storage()) for b in store.trainable_buckets]}
+    assert all(refs.values()), {k: len(v) for k, v in refs.items()}
+    return refs
+
+
+def _alive(refs: dict[str, list[StorageWeakRef]]) -> dict[str, int]:
+    return {kind: sum(not r.expired() for r in kind_refs) for kind, kind_refs in refs.items()}
+
+
+def test_close_frees_the_state_while_the_engine_and_optimizer_are_held():
+    """As a Trainer holds them after `close()`. Before: every buffer stayed as long as the engine did. The
+    optimizer copies stay: the user's optimizer holds them as its parameters, as a plain optimizer would."""
+    engine, user_optimizer, optimizer = _trained()
+    refs = _storages(engine, optimizer)
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+    assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": len(refs["optimizer copies"])}
+    assert all(p.grad is None for g in user_optimizer.param_groups for p in g["params"])
+    module = engine._modules["module"]  # the user's module still shows the trained weights
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_a_closed_engine_dropped_is_freed_without_the_collector():
+    """Before: the buckets, the workers and the optimizer refer to one another, and all of it waited for a
+    collection of the oldest generation."""
+    engine, user_optimizer, optimizer = _trained()
+    refs = _storages(engine, optimizer)
+    engine.close()
+    del engine, user_optimizer, optimizer
+    assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": 0}
+
+
+def test_an_engine_dropped_without_close_is_freed_without_the_collector():
+    engine, user_optimizer, optimizer = _trained()
+    refs = _storages(engine, optimizer)
+    del engine, user_optimizer, optimizer  # its finalizer stops the threads, then the buffers go
+    assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": 0}
+
+
+def test_a_new_engine_collects_earlier_ones_left_in_cycles(monkeypatch):
+    """A notebook's previous Trainer, dropped, still refers to itself (as a Trainer does): only a collection frees
+    its engine, and the new engine runs one first."""
+    monkeypatch.setattr(engine_parts, "COLLECT_ABOVE_BYTES", 0)
+    engine, user_optimizer, optimizer = _trained()
+    refs = _storages(engine, optimizer)
+    holder = {"engine": engine, "optimizer": optimizer}
+    holder["self"] = holder  # a cycle, as a Trainer and its callbacks make
+    del engine, user_optimizer, optimizer, holder
+    assert _alive(refs)["optimizer state"] > 0  # garbage, not freed yet
+    RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
+    assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": 0}
+
+
+def test_a_new_engine_warns_of_earlier_ones_still_open(monkeypatch, caplog):
+    monkeypatch.setattr(engine_parts, "COLLECT_ABOVE_BYTES", 0)
+    earlier, _, _ = _trained()
+    with caplog.at_level(logging.WARNING, logger=engine_parts.__name__):
+        later = RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], summary=False))
+    assert "1 earlier RoundPipe engine(s) are still open" in caplog.text and "engine.close()" in caplog.text
+    caplog.clear()
+    earlier.close()
+    later.close()
+    with caplog.at_level(logging.WARNING, logger=engine_parts.__name__):
+        RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], summary=False)).close()
+    assert "still open" not in caplog.text  # closed engines hold nothing worth a warning
