@@ -24,9 +24,10 @@ the fused stage and the bottom one (the token ids) none.
 A stage of k layers holds k layers' activations in its backward, so the micro-batch is sized for k layers' estimate
 and k never goes past what one row can fit on the device; where that is not enough, the saved-input warning says
 so ([Note: saved inputs in host memory]). Only the engine's own unplanned partition is regrouped (no
-`forward_stages` or `backward_stages` given), in one process (the ranks of a data-parallel group must run the same
-stages, and their hosts may differ); the measured plan replaces it after the first pass, as it replaces the one-layer
-stages.
+`forward_stages` or `backward_stages` given); the measured plan replaces it after the first pass, as it replaces the
+one-layer stages. Under data parallelism each rank sizes its own host (one process a machine), as each measures its
+own plan afterwards: the ranks' stages may differ, and nothing depends on their being the same (the gradient
+exchange takes the buckets in one fixed order on every rank, whatever stage produced them).
 """
 
 from __future__ import annotations

@@ -355,6 +355,36 @@ def hugging_face_loss_counts_the_global_batch(rank: int, world_size: int) -> Non
     engine.close()
 
 
+def first_pass_regrouped_on_every_rank(rank: int, world_size: int) -> dict:
+    """[Note: first-pass backward stages] under data parallelism: a host without room for the saved inputs runs
+    the first pass in backward stages of several layers on each rank (each process sizes its own host, as each
+    measures its own plan afterwards), and the loss and the summed gradients are still the global batch's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+    from accelerate_roundpipe import wrap_model
+    from accelerate_roundpipe.runtime.execution import first_pass
+
+    from split_helpers import assert_same_gradients, build_model, make_batch, reference_loss
+
+    first_pass.SAVED_HOST_SHARE = 0.0  # this rank's process only: no room for any saved input
+    model = build_model("llama", num_hidden_layers=4)
+    batch = make_batch("mixed")
+    reference = copy.deepcopy(model)
+    expected_loss = reference_loss(reference, batch)
+    expected_loss.backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+    mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], wait_timeout_s=60, summary=False))
+    loss = engine.forward_backward(**mine)
+    sizing = engine._microbatches.sizing
+    assert_close(loss, expected_loss.detach(), RTOL, "loss of the regrouped first pass")
+    assert_same_gradients(summed_grads(engine), expected)
+    engine.close()
+    return {"stage_layers": sizing.stage_layers, "backward_stages": len(sizing.partition.backward)}
+
+
 def moe_model_and_batch():
     import sys
     from pathlib import Path

@@ -22,6 +22,7 @@ def in_turn(tmp_path_factory):
     dp_scenarios.moe_one_process_reference(moe_reference, 2)
     dp_scenarios.lora_reference(lora_reference)
     scenarios = [("mismatched_settings", ()), ("hugging_face_loss_counts_the_global_batch", ()),
+                 ("first_pass_regrouped_on_every_rank", ()),
                  ("mixture_of_experts_counts_the_global_tokens", (moe_reference,)),
                  ("lora_counts_the_global_batch", (lora_reference,)), ("clips_of_rank_shares_are_refused", ()),
                  ("training_equals_one_process", (path,))]
@@ -99,6 +100,13 @@ def test_mismatched_settings_are_refused_at_construction(in_turn):
 
 def test_a_hugging_face_model_counts_the_labels_of_the_global_batch(in_turn):
     ran(in_turn[1], "hugging_face_loss_counts_the_global_batch")
+
+
+def test_the_first_pass_is_regrouped_on_every_rank(in_turn):
+    """Before: one-layer backward stages under data parallelism whatever the host had (the sizing had no
+    partition: `None.backward`)."""
+    reports = ran(in_turn[1], "first_pass_regrouped_on_every_rank")
+    assert all(r["stage_layers"] > 1 and r["backward_stages"] < 5 for r in reports), reports
 
 
 def test_the_data_parallel_setting_without_a_process_group(monkeypatch):

@@ -117,7 +117,7 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     # engine's own partition, in one process.
     own_partition = config.forward_stages is None and config.backward_stages is None
     sizer = FirstPassSizer(getattr(module, "config", None), store, plan, partition,
-                           regroup=own_partition and exchange.world_size == 1, saved_on_host=not uses_cuda)
+                           regroup=own_partition, saved_on_host=not uses_cuda)
     # `allow_short_batches`: see [Note: short batches].
     microbatches = MicrobatchPolicy(config, len(devices), plan, allow_short_batches, sizer)
     dispatch = Dispatcher(config, devices, store, failure, plan, trace)

@@ -35,7 +35,7 @@ class FirstPassSizer:
     def __init__(self, model_config, store: HostStore, plan: MeasuredPlan, partition: Partition,
                  regroup: bool = False, saved_on_host: bool = True) -> None:
         """`regroup`: the first pass's backward stages may be regrouped ([Note: first-pass backward stages]: the
-        engine's own partition, one process); `saved_on_host`: every saved input goes to host memory (CPU
+        engine's own partition); `saved_on_host`: every saved input goes to host memory (CPU
         workers), else what the device may not keep."""
         self.model_config, self.store, self.plan, self.partition = model_config, store, plan, partition
         self.regroup, self.saved_on_host = regroup, saved_on_host
