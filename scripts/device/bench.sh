@@ -9,7 +9,7 @@
 # small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
 # moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
-# disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
+# disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
 # look-ahead.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
@@ -30,7 +30,7 @@ WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
-WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-pieces-ab disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
+WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-pieces disk-cap24-b64-pieces-ab disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
 WORKLOADS+=" look-ahead"
 CALL_S=${BENCH_CALL_S:-585}
@@ -325,6 +325,11 @@ run_ours() {
     w=qwen3-4b-full-s4096-b64-cap24
     ours 170 $w roundpipe-engine --warm 1 --iters 2 --disk-probe
     ours 300 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24 ;;
+  disk-cap24-b64-pieces)  # issue 33's 4B target alone: the baseline (default host budget) and the disk run with swap
+    # files in pieces, in one call; 1 warm-up + 2 timed steps each (disk-cap24-b64-pieces-ab adds the files as before)
+    w=qwen3-4b-full-s4096-b64-cap24
+    ours 150 $w roundpipe-engine --warm 1 --iters 2 --disk-probe
+    ours 215 $w roundpipe-engine --warm 1 --iters 2 --disk-probe --roundpipe host_memory_budget=24 ;;
   disk-cap24-b64-pieces-ab)  # [Note: swap files in pieces] on issue 33's 4B target: the baseline (default host
     # budget), the disk run (swap files in pieces, up to 8 I/O threads), then the disk run as before (one file a
     # bucket, 4 I/O threads); 1 warm-up + 2 timed steps each
