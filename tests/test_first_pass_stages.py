@@ -161,3 +161,62 @@ def test_the_accelerate_path_runs_the_regrouped_stages_exactly(monkeypatch):
     finally:
         engine.close()
         reset_accelerate_state()
+
+
+
+def test_the_first_pass_leaves_room_for_what_the_store_still_allocates(monkeypatch):
+    """A host whose available memory holds the saved inputs by a quarter of it, but not beside the gradient buffers
+    and optimizer states the store allocates later (the first step's): the first pass regroups, exactly. Before,
+    only the quarter was asked and every layer's input was kept."""
+    model = _model()
+    ids = _batch()
+    reference = _reference(model, ids)
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
+    try:
+        sizer = engine._microbatches.sizer
+        saved = DECODER_LAYERS * ids.numel() * model.config.hidden_size * sizer.element_size
+        available = 2.0**26
+        assert available * first_pass.SAVED_HOST_SHARE >= saved  # the quarter alone would keep them all
+        monkeypatch.setattr(first_pass, "available_memory_bytes", lambda: available)
+        monkeypatch.setattr(sizer, "pending_host_bytes", lambda: available - saved / 2)
+        first = _engine_pass(engine, ids)
+        assert engine._microbatches.sizing.stage_layers > 1
+        assert len(engine.partition.saved_input_layers("stage") - {0}) < DECODER_LAYERS
+        _check(first, reference)
+    finally:
+        engine.close()
+
+
+def test_what_the_store_still_allocates_on_the_host(tmp_path):
+    """The gradient buffers not made yet and the optimizer states (assumed not made yet): AdamW's two before an
+    optimizer is wrapped, the wrapped optimizer's count after (the placement's), disk buckets' gradients too."""
+    model = _model()
+    ids = _batch()
+    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
+    try:
+        sizer = engine._microbatches.sizer
+        flat = sum(b.optim.numel() * b.optim.element_size() for b in engine.host_store.trainable_buckets)
+        assert sizer.pending_host_bytes() == 3 * flat  # gradients and AdamW's two states, nothing wrapped yet
+        engine.wrap_optimizer(torch.optim.SGD(engine.parameters(), lr=0.0))  # no momentum: no state
+        assert sizer.pending_host_bytes() == flat  # the gradients only
+        engine.forward_backward(input_ids=ids, labels=ids)
+        engine.synchronize()
+        assert sizer.pending_host_bytes() == 0  # every bucket holds its gradient now
+    finally:
+        engine.close()
+    engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False))
+    try:
+        engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3, amsgrad=True))
+        assert engine._microbatches.sizer.pending_host_bytes() == 4 * flat  # gradients and three states
+    finally:
+        engine.close()
+    engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False, host_memory_budget=1e-9,
+                                                  offload_dir=str(tmp_path)))
+    try:
+        engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+        on_disk = [b for b in engine.host_store.trainable_buckets if not b.tier.optim_resident]
+        assert on_disk  # every bucket the budget could move; their states are in swap files, their gradients not
+        disk_flat = sum(b.optim.numel() * b.optim.element_size() for b in on_disk)
+        assert engine._microbatches.sizer.pending_host_bytes() == 3 * (flat - disk_flat) + disk_flat
+    finally:
+        engine.close()

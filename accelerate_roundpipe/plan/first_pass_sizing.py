@@ -18,7 +18,10 @@ At large batches that is more than the host has: Qwen3-4B at one pass of 64 rows
 1.25 GiB (45 GiB) beside a 65 GiB store on a 125 GiB machine and was killed for memory; Llama-3.1-8B kept 31 of
 2 GiB. So when those inputs would take more than `SAVED_HOST_SHARE` of the host memory available at the first sizing
 (the rest is for what allocates after it: the gradients and the optimizer states made at the first step, page-locked
-transfers), the first pass runs backward stages of `stage_layers` layers each, the fewest that fit
+transfers), or more than that memory less what the store will still allocate in it
+(`HostStore.bytes_still_to_allocate`: its gradient buffers and optimizer states, which a quarter did not bound: a
+host that holds the store with little to spare would keep the inputs and find no room for the first step's states),
+the first pass runs backward stages of `stage_layers` layers each, the fewest that fit
 (`FirstPassSizer` in runtime/execution/first_pass.py; `saved_stage_inputs` counts them): a stage saves one input,
 the fused stage and the bottom one (the token ids) none.
 A stage of k layers holds k layers' activations in its backward, so the micro-batch is sized for k layers' estimate

@@ -47,6 +47,7 @@ class FirstPassSizer:
         # dropout streams, from one pass to the next. The host's memory is read once, at the first sizing.
         self._sizings: dict[tuple[int, int, int, float | None], FirstPassSizing | None] = {}
         self._host_bytes: float | None = None
+        self._pending_bytes: float | None = None  # what the store still allocates, read with the first room
 
     def _stage_bytes(self, partition: Partition) -> int:
         """The weights of `partition`'s largest stage twice and its gradients."""
@@ -58,6 +59,10 @@ class FirstPassSizer:
         if self._host_bytes is None:
             self._host_bytes = float(available_memory_bytes())
         return self._host_bytes
+
+    def pending_host_bytes(self) -> int:
+        """What the store will still allocate in host memory ([Note: first-pass backward stages])."""
+        return self.store.bytes_still_to_allocate(self.plan.host_state_bytes)
 
     def free_bytes(self, stage_bytes: float | None = None) -> float:
         """What one micro-batch's activations may use (see the module docstring); read when sizing, since the
@@ -79,7 +84,11 @@ class FirstPassSizer:
             return 1, self.partition, 0, 0.0
         input_bytes = rows * seq_len * hidden * self.element_size
         kept = 0 if self.saved_on_host else self.plan.keep_limit_bytes
-        room = self.host_bytes() * SAVED_HOST_SHARE + kept
+        # A share of what is available, and never what the store still allocates after it
+        host = self.host_bytes()
+        if self._pending_bytes is None:  # once, as the host's memory: the stages must not move between passes
+            self._pending_bytes = float(self.pending_host_bytes())
+        room = max(0.0, min(host * SAVED_HOST_SHARE, host - self._pending_bytes)) + kept
         chosen = 1, self.partition
         for k in range(1, num_layers + 1):
             partition = self.partition if k == 1 else regrouped_partition(num_layers, k)

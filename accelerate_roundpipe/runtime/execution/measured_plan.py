@@ -85,6 +85,9 @@ class MeasuredPlan:
         # ([Note: shared frozen weights]); 0 until a measured plan says what a running task may still allocate.
         self.lookahead_limit_bytes = 0
         self.device_state_bytes = 0  # the optimizer state placed on the device holding the most
+        # The host's optimizer copies, gradients and states once all allocated (the placement's), None before an
+        # optimizer is wrapped ([Note: first-pass backward stages])
+        self.host_state_bytes: int | None = None
         self.layer_costs: LayerCosts | None = None
         self.chosen_microbatches: int | None = None  # when num_microbatches is unset
         self.head_advice: str | None = None  # vocabulary shards the measured costs suggest (several devices)
@@ -107,6 +110,7 @@ class MeasuredPlan:
                                            config.resolved_wait_timeout_s,  # [Note: disk tier]
                                            budget_given=config.setting_as_given("host_memory_budget")
                                            if config.host_memory_budget is not None else None)
+        self.host_state_bytes = placement.host_state_bytes
         lock_host_optimizer_copies(self.store)
         self.store.lock_crossing_compute_copies()  # [Note: compute copies locked where they cross]
         if self.budget_bytes is not None and placement.device_buckets:

@@ -290,6 +290,25 @@ class HostStore:
             used.update(self.layer_buckets[layer])
         return sorted(used)
 
+    def bytes_still_to_allocate(self, host_state_bytes: int | None) -> int:
+        """What the store will still allocate in host memory: the gradient buffers of the buckets that hold none
+        yet and the optimizer states, assumed not allocated yet (the first pass comes before the first step; a
+        resumed run's loaded states are counted again, which errs on the safe side); a disk bucket's gradient is
+        in memory too. `host_state_bytes`: the placement's count of the host's optimizer copies, gradients and
+        states (disk and device buckets left out), None before an optimizer is wrapped: every trainable bucket's,
+        with AdamW's two states."""
+        def nbytes(flat: torch.Tensor | None) -> int:
+            return 0 if flat is None else flat.numel() * flat.element_size()
+
+        trainable = self.trainable_buckets
+        if host_state_bytes is None:
+            return sum(nbytes(b.optim) * (1 + host_budget.OPTIMIZER_STATES) - nbytes(b.grad) for b in trainable)
+        on_host = [b for b in trainable if b.home is None and b.tier.optim_resident]
+        on_disk = [b for b in trainable if b.home is None and not b.tier.optim_resident]  # gradients in memory
+        in_memory = sum(nbytes(b.optim) + nbytes(b.grad) for b in on_host)
+        disk_grads = sum(b.optim.numel() * b.optim.element_size() for b in on_disk if b.grad is None)
+        return max(0, host_state_bytes - in_memory) + disk_grads
+
     def release(self) -> None:
         """[Note: memory freed at close]
         The engine's objects refer to one another (workers, their residencies and commit queues, the store, the
