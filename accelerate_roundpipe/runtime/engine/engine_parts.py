@@ -63,7 +63,7 @@ _stores: weakref.WeakSet[HostStore] = weakref.WeakSet()  # every engine's store 
 def collect_earlier_engines() -> None:
     """Before a new engine allocates its host store: collect the earlier engines that are garbage (a notebook's
     or a sweep's previous Trainer, dropped but still referred to by its own cycles), so that their memory is back
-    first ([Note: memory freed at close]); then warn of those still held. Only when they hold enough to matter:
+    first ([Note: memory freed at close]); then warn of those still open. Only when they hold enough to matter:
     a full collection takes a moment in a large process."""
     held = [store for store in list(_stores) if not store.released]
     if sum(store.estimated_bytes for store in held) < COLLECT_ABOVE_BYTES:
@@ -72,9 +72,10 @@ def collect_earlier_engines() -> None:
     held = [store for store in list(_stores) if not store.released]
     if held:
         logger.warning(
-            "%d earlier RoundPipe engine(s) are still open, holding about %.1f GiB of host memory (optimizer "
-            "state, gradients, weights): close them (engine.close(); a Trainer's trainer.roundpipe_engine.close()) "
-            "or drop every reference to them if this engine needs that memory.",
+            "%d earlier RoundPipe engine(s) in this process are still open, holding about %.1f GiB of host memory "
+            "(weights, optimizer state, gradients). If they are from an earlier run (a notebook cell run again, a "
+            "sweep), close them (engine.close(); a Trainer's trainer.roundpipe_engine.close()) or drop every "
+            "reference to them to free it; engines meant to run together (a TRL reference model) need nothing.",
             len(held), sum(store.estimated_bytes for store in held) / 2**30)
 
 
