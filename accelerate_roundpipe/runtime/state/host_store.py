@@ -303,8 +303,9 @@ class HostStore:
         trainable = self.trainable_buckets
         if host_state_bytes is None:
             return sum(nbytes(b.optim) * (1 + host_budget.OPTIMIZER_STATES) - nbytes(b.grad) for b in trainable)
-        on_host = [b for b in trainable if b.home is None and b.tier.optim_resident]
-        on_disk = [b for b in trainable if b.home is None and not b.tier.optim_resident]  # gradients in memory
+        # Asked of the tiers ([Note: state tiers]): a device's gradients do not cross to the host, a disk's do
+        on_host = [b for b in trainable if b.tier.crosses_pcie and b.tier.optim_resident]
+        on_disk = [b for b in trainable if b.tier.crosses_pcie and not b.tier.optim_resident]
         in_memory = sum(nbytes(b.optim) + nbytes(b.grad) for b in on_host)
         disk_grads = sum(b.optim.numel() * b.optim.element_size() for b in on_disk if b.grad is None)
         return max(0, host_state_bytes - in_memory) + disk_grads
