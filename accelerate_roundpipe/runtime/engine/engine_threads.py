@@ -19,6 +19,7 @@ from ..state.host_store import HostStore
 
 logger = logging.getLogger(__name__)
 _exiting = False  # set at interpreter exit, before the finalizers of engines still alive run
+_registered = False  # whether `_set_exiting` is registered
 
 
 def note_exit_before_finalizers() -> None:
@@ -35,7 +36,6 @@ def _set_exiting() -> None:
     _exiting = True
 
 
-_registered = False
 CLOSE_WARNING_S = 10.0  # close() warns this often while a thread still runs a layer or a step
 
 
