@@ -115,3 +115,33 @@ def test_a_new_engine_warns_of_earlier_ones_still_open(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=engine_parts.__name__):
         RoundPipe(tied_model(), RoundPipeConfig(devices=["cpu"], summary=False)).close()
     assert "still open" not in caplog.text  # closed engines hold nothing worth a warning
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_close_gives_the_device_memory_back(placement):
+    """On a GPU, with the engine still held: after `close()` the device holds nothing of it (the optimizer state
+    placed there, the gradients, the idle weight buffers), with the collector off."""
+    width = 512
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(6)])
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # cuBLAS's per-stream workspaces are not the engine's
+    before = torch.cuda.memory_allocated()
+    engine = RoundPipe(layers, RoundPipeConfig(devices=["cuda:0"], num_microbatches=2, summary=False,
+                                               optimizer_placement=placement))
+    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=1e-3))
+    x, y = torch.randn(8, width), torch.randn(8, width)
+    for _ in range(2):
+        engine.forward_backward(x, labels=y, loss_fn=nn.functional.mse_loss)
+        optimizer.step()
+    engine.synchronize()
+    trained = torch.cuda.memory_allocated() - before
+    assert trained > 0
+    engine.close()
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    held = torch.cuda.memory_allocated() - before
+    assert held <= 2**20, f"{held / 2**20:.2f} MiB of {trained / 2**20:.2f} MiB still on the device after close()"
+    del optimizer, engine
