@@ -118,12 +118,16 @@ class Bucket:
 
     def release(self) -> None:
         """The engine closed, its threads stopped: let go of the optimizer copy, the gradients and their spare
-        buffers ([Note: memory freed at close]). The compute copy stays: the user's module views it."""
+        buffers ([Note: memory freed at close]). The compute copy stays: the user's module views it. The optimizer
+        copy's parameters, which the user's optimizer holds, keep their shape and dtype over one element of memory,
+        as a disk bucket's do between its steps."""
         with self.grads_lock:
             for slot in self.slots:
                 for param in (slot.optim, slot.twin):
                     if param is not None:
                         param.grad = None
+                if slot.optim is not None:  # the user's optimizer holds it: its shape and dtype, no memory
+                    slot.optim.data = torch.zeros((), dtype=slot.optim.dtype).expand(slot.shape)
                 slot.optim = slot.twin = None
             self.optim = self.grad = self.pending = None
             self.grad_valid = False
