@@ -368,20 +368,23 @@ def first_pass_regrouped_on_every_rank(rank: int, world_size: int) -> dict:
 
     from split_helpers import assert_same_gradients, build_model, make_batch, reference_loss
 
-    first_pass.SAVED_HOST_SHARE = 0.0  # this rank's process only: no room for any saved input
-    model = build_model("llama", num_hidden_layers=4)
-    batch = make_batch("mixed")
-    reference = copy.deepcopy(model)
-    expected_loss = reference_loss(reference, batch)
-    expected_loss.backward()
-    expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
-    mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
-    engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], wait_timeout_s=60, summary=False))
-    loss = engine.forward_backward(**mine)
-    sizing = engine._microbatches.sizing
-    assert_close(loss, expected_loss.detach(), RTOL, "loss of the regrouped first pass")
-    assert_same_gradients(summed_grads(engine), expected)
-    engine.close()
+    share, first_pass.SAVED_HOST_SHARE = first_pass.SAVED_HOST_SHARE, 0.0  # no room for any saved input
+    try:
+        model = build_model("llama", num_hidden_layers=4)
+        batch = make_batch("mixed")
+        reference = copy.deepcopy(model)
+        expected_loss = reference_loss(reference, batch)
+        expected_loss.backward()
+        expected = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        mine = {k: v[rank_rows(batch["input_ids"].shape[0], rank, world_size)] for k, v in batch.items()}
+        engine = wrap_model(model, RoundPipeConfig(devices=["cpu", "cpu"], wait_timeout_s=60, summary=False))
+        loss = engine.forward_backward(**mine)
+        sizing = engine._microbatches.sizing
+        assert_close(loss, expected_loss.detach(), RTOL, "loss of the regrouped first pass")
+        assert_same_gradients(summed_grads(engine), expected)
+        engine.close()
+    finally:  # the scenarios after this one run in the same process
+        first_pass.SAVED_HOST_SHARE = share
     return {"stage_layers": sizing.stage_layers, "backward_stages": len(sizing.partition.backward)}
 
 

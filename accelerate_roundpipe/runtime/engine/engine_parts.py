@@ -60,16 +60,19 @@ COLLECT_ABOVE_BYTES = 2**30  # earlier engines' host stores this large are colle
 _stores: weakref.WeakSet[HostStore] = weakref.WeakSet()  # every engine's store while it lives
 
 
+def _open_stores() -> list[HostStore]:
+    return [store for store in list(_stores) if not store.released]
+
+
 def collect_earlier_engines() -> None:
     """Before a new engine allocates its host store: collect the earlier engines that are garbage (a notebook's
     or a sweep's previous Trainer, dropped but still referred to by its own cycles), so that their memory is back
     first ([Note: memory freed at close]); then warn of those still open. Only when they hold enough to matter:
     a full collection takes a moment in a large process."""
-    held = [store for store in list(_stores) if not store.released]
-    if sum(store.estimated_bytes for store in held) < COLLECT_ABOVE_BYTES:
+    if sum(store.estimated_bytes for store in _open_stores()) < COLLECT_ABOVE_BYTES:
         return
     gc.collect()
-    held = [store for store in list(_stores) if not store.released]
+    held = _open_stores()
     if held:
         logger.warning(
             "%d earlier RoundPipe engine(s) in this process are still open, holding about %.1f GiB of host memory "

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..common.sync import ReadWriteOrder, Sequencer
 from .grad_buffers import GradBufferPool
-from .tiers import HOST, StateTier
+from .tiers import HOST, StateTier, stand_in
 from .weight_versions import StepCount, WeightVersions
 
 
@@ -122,12 +122,12 @@ class Bucket:
         copy's parameters, which the user's optimizer holds, keep their shape and dtype over one element of memory,
         as a disk bucket's do between its steps."""
         with self.grads_lock:
+            if self.optim is not None:  # the user's optimizer holds the parameters: their shapes, no memory
+                self.point_optim(stand_in(self.optim.numel(), self.optim.dtype), resident=False)
             for slot in self.slots:
                 for param in (slot.optim, slot.twin):
                     if param is not None:
                         param.grad = None
-                if slot.optim is not None:  # the user's optimizer holds it: its shape and dtype, no memory
-                    slot.optim.data = torch.zeros((), dtype=slot.optim.dtype).expand(slot.shape)
                 slot.optim = slot.twin = None
             self.optim = self.grad = self.pending = None
             self.grad_valid = False

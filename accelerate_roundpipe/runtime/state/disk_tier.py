@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from ..disk import BucketLayout, DiskBandwidth, DiskStaging, MappedFlat, TensorSpec, open_swap, probe_bandwidth
-from .tiers import Bucket, StateTier
+from .tiers import Bucket, StateTier, stand_in
 
 OPTIM = "optim"  # the optimizer copy's name in a bucket's layout
 SLOTS = 3  # staging slots: one stepped, one written back, one read ahead
@@ -101,12 +101,6 @@ def piece_splits(bucket: Bucket, piece_bytes: int | None = None, max_pieces: int
         return ()
     chosen = {min(bounds, key=lambda b, target=numel * i // count: abs(b - target)) for i in range(1, count)}
     return tuple(sorted(chosen))
-
-
-def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """What a disk bucket's optimizer copy is between its steps: its size and dtype, one element of memory, and a
-    write into it raises (every element is the same one)."""
-    return torch.zeros((), dtype=dtype).expand(numel)
 
 
 @dataclass(frozen=True)

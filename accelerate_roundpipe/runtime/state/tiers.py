@@ -52,6 +52,13 @@ if TYPE_CHECKING:
 Bucket = Any
 
 
+def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An optimizer copy holding no values: its size and dtype, one element of memory, and a write into it raises
+    (every element is the same one). A disk bucket's between its steps ([Note: disk tier]), every bucket's after the
+    engine closed ([Note: memory freed at close])."""
+    return torch.zeros((), dtype=dtype).expand(numel)
+
+
 class StateTier:
     """Where a bucket's optimizer copy, gradient and optimizer state live ([Note: state tiers]). The defaults are
     the host's."""
