@@ -64,7 +64,9 @@ def profile_steps(step, warm: int, steps: int, device: str) -> dict:
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True, with_stack=True,
+    # Python frames only on the GPU: the rows' "where" is what they are for, on the CPU (the suite's tiny runs) they
+    # named nothing and grouping the operators by them took 4-5 s a system.
+    with profile(activities=activities, record_shapes=True, with_stack=cuda,
                  experimental_config=all_threads_config()) as prof:
         start = time.perf_counter()
         losses = [float(step()) for _ in range(steps)]
@@ -101,7 +103,7 @@ def top_ops(prof, steps: int, cuda: bool, count: int = 10) -> list[dict]:
     input shapes and the innermost frames of Python that called them outside torch: which line of the model a
     kernel belongs to."""
     rows = []
-    for avg in prof.key_averages(group_by_input_shape=True, group_by_stack_n=12):
+    for avg in prof.key_averages(group_by_input_shape=True, group_by_stack_n=12 if cuda else 0):
         device_ms = (avg.self_device_time_total if cuda else avg.self_cpu_time_total) / 1e3 / steps
         if not avg.key.startswith("aten::") or device_ms < (0.5 if cuda else 0.05):
             continue

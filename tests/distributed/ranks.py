@@ -19,8 +19,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every rank imports, imported once in the fork server that forks the ranks: a rank spent about 10 s of a core
+# importing these (transformers' Trainer and model modules most), and the suite starts over a hundred ranks.
+PRELOAD = ("torch", "torch.distributed", "accelerate", "peft", "transformers.trainer",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3")
+
+
+def _context():
+    """Ranks forked from a server that has imported `PRELOAD` (started at the first use, single-threaded: forking
+    it is safe). A forked rank inherits the server's environment and folder, not the caller's, so `_spawn` passes
+    both."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
 def _rank_main(target: Callable, rank: int, world_size: int, port: int, results, args: tuple,
-               reraise: bool = False) -> None:
+               reraise: bool = False, environ: dict | None = None, cwd: str | None = None) -> None:
+    if environ is not None:  # the caller's, as a spawned process would have it
+        os.environ.clear()
+        os.environ.update(environ)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       ROUNDPIPE_SUMMARY="0")
     import torch
@@ -47,7 +67,7 @@ class Exited:
 
 
 def run_ranks(target: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """`target(rank, world_size, *args)` on `world_size` spawned processes; returns what each returned (or `Exited`)
+    """`target(rank, world_size, *args)` on `world_size` new processes; returns what each returned (or `Exited`)
     in rank order. A rank's exception fails the test with its traceback."""
     got, processes = _spawn(target, world_size, args, timeout_s, reraise=False)
     errors = [f"rank {rank}:\n{value}" for rank, (kind, value) in sorted(got.items()) if kind == "error"]
@@ -96,11 +116,13 @@ def run_ranks_to_exit(target: Callable, world_size: int, *args: Any, timeout_s: 
 
 
 def _spawn(target: Callable, world_size: int, args: tuple, timeout_s: float, reraise: bool):
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=_rank_main, args=(target, rank, world_size, port, results, args, reraise),
-                                 daemon=True) for rank in range(world_size)]
+    environ, cwd = dict(os.environ), os.getcwd()
+    processes = [context.Process(target=_rank_main, daemon=True,
+                                 args=(target, rank, world_size, port, results, args, reraise, environ, cwd))
+                 for rank in range(world_size)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout_s
