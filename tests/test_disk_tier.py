@@ -710,3 +710,10 @@ def test_the_disk_is_measured_before_the_swap_files_are_written(tmp_path, monkey
         assert events.count("write") >= len(engine.optimizer_placement.disk_buckets) > 0, events
     finally:
         engine.close()
+
+
+def test_the_implied_step_time_reads_as_seconds_to_three_figures():
+    """The tiers line's estimate: three figures (it is a model of the disk, not a measurement), never an exponent."""
+    from accelerate_roundpipe.runtime.state.placement import _seconds
+
+    assert [_seconds(s) for s in (130.745, 72.381, 0.00123, 1234.5)] == ["131", "72.4", "0.00123", "1234"]

@@ -171,7 +171,7 @@ class OptimizerPlacement:
             line += f"; swap files in {disk.folder}"
             if disk.bandwidth is not None:
                 line += (f"; disk measured at {disk.bandwidth.write_gbps:.2f} GB/s write, "
-                         f"{disk.bandwidth.read_gbps:.2f} GB/s read: about {disk.step_seconds:.3f} s a step to "
+                         f"{disk.bandwidth.read_gbps:.2f} GB/s read: about {_seconds(disk.step_seconds)} s a step to "
                          f"read and write its buckets")
             if not disk.plan.fits:
                 line += f"; the store still needs {_size(disk.plan.host_bytes)} with every bucket it can move on disk"
@@ -208,6 +208,11 @@ class OptimizerPlacement:
 
     def __str__(self) -> str:
         return "\n".join([f"optimizer placement ({self.summary()})", *(f"  {p}" for p in self.places)])
+
+
+def _seconds(s: float) -> str:
+    """An estimate's seconds to three figures, never in exponent notation (130.745 reads 131, 0.00123 as it is)."""
+    return f"{s:.0f}" if s >= 100 else f"{s:.3g}"
 
 
 def _size(nbytes: float) -> str:
