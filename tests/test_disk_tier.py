@@ -717,3 +717,18 @@ def test_the_implied_step_time_reads_as_seconds_to_three_figures():
     from accelerate_roundpipe.runtime.state.placement import _seconds
 
     assert [_seconds(s) for s in (130.745, 72.381, 0.00123, 1234.5)] == ["131", "72.4", "0.00123", "1234"]
+
+
+def test_a_budget_too_small_even_with_everything_on_disk_is_said_in_readable_sizes(tmp_path, caplog):
+    """Training goes on over the budget, and the warning says both sizes as the tiers line does: on a small store
+    "0.01 GiB ... needs 0.01 GiB" (10.24 against 10.36 MiB on the main job) said nothing."""
+    import logging
+    import re
+
+    config, _ = _mix(tmp_path, "all disk")
+    with caplog.at_level(logging.WARNING):
+        engine, _ = _build(config)
+    engine.close()
+    (message,) = [r.getMessage() for r in caplog.records if "training goes on, over the budget" in r.getMessage()]
+    budget, need = re.search(r"host_memory_budget is (\S+ [MG]iB), and the store needs (\S+ [MG]iB)", message).groups()
+    assert budget != need and need.endswith("MiB"), message

@@ -330,9 +330,10 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
         return placement
     _refuse_disk(plan, names, optimizer, data_parallel, host_budget_gib, budget_given)
     if not plan.fits:
-        logger.warning("RoundPipe: host_memory_budget is %.2f GiB, and the store needs %.2f GiB of host memory even "
-                       "with the optimizer state of every trainable bucket on disk (compute copies and gradients "
-                       "stay); training goes on, over the budget.", host_budget_gib, plan.host_bytes / GiB)
+        # in the sizes of the summary's tiers line: "0.01 GiB needs 0.01 GiB" said nothing on a small model
+        logger.warning("RoundPipe: host_memory_budget is %s, and the store needs %s of host memory even with the "
+                       "optimizer state of every trainable bucket on disk (compute copies and gradients stay); "
+                       "training goes on, over the budget.", _size(budget_bytes), _size(plan.host_bytes))
     disk_buckets = [store.buckets[i] for i in plan.buckets]
     disk = DiskTier.open(disk_buckets, names, offload_dir, timeout_s)
     for bucket in disk_buckets:
