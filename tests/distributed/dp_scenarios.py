@@ -361,6 +361,7 @@ def first_pass_regrouped_on_every_rank(rank: int, world_size: int) -> dict:
     measures its own plan afterwards), and the loss and the summed gradients are still the global batch's."""
     import sys
     from pathlib import Path
+    from unittest import mock
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
     from accelerate_roundpipe import wrap_model
@@ -368,8 +369,8 @@ def first_pass_regrouped_on_every_rank(rank: int, world_size: int) -> dict:
 
     from split_helpers import assert_same_gradients, build_model, make_batch, reference_loss
 
-    share, first_pass.SAVED_HOST_SHARE = first_pass.SAVED_HOST_SHARE, 0.0  # no room for any saved input
-    try:
+    # no room for any saved input, restored for the scenarios after this one in the same process
+    with mock.patch.object(first_pass, "SAVED_HOST_SHARE", 0.0):
         model = build_model("llama", num_hidden_layers=4)
         batch = make_batch("mixed")
         reference = copy.deepcopy(model)
@@ -383,8 +384,6 @@ def first_pass_regrouped_on_every_rank(rank: int, world_size: int) -> dict:
         assert_close(loss, expected_loss.detach(), RTOL, "loss of the regrouped first pass")
         assert_same_gradients(summed_grads(engine), expected)
         engine.close()
-    finally:  # the scenarios after this one run in the same process
-        first_pass.SAVED_HOST_SHARE = share
     return {"stage_layers": sizing.stage_layers, "backward_stages": len(sizing.partition.backward)}
 
 
