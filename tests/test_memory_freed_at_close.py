@@ -90,6 +90,20 @@ def test_an_engine_dropped_without_close_is_freed_without_the_collector():
     assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": 0}
 
 
+def test_an_engine_freed_inside_a_device_context_still_lets_go_of_its_state():
+    """The finalizer runs wherever the last reference goes or the collector runs: here inside
+    `with torch.device("meta")`, as a model built on the meta device is (the decoder catalog's mbart case met it
+    in CI). Before: the optimizer copies' stand-ins were made on the meta device, `param.data = stand_in` raised
+    "incompatible tensor type" inside the finalizer, and the state stayed until the collector."""
+    engine, user_optimizer, optimizer = _trained()
+    refs = _storages(engine, optimizer)
+    params = [p for g in user_optimizer.param_groups for p in g["params"]]
+    with torch.device("meta"):
+        del engine, user_optimizer, optimizer  # its finalizer stops the threads and lets go, in this context
+    assert _alive(refs) == {"gradients": 0, "optimizer state": 0, "optimizer copies": 0}
+    assert all(p.device.type == "cpu" for p in params)
+
+
 def test_a_new_engine_collects_earlier_ones_left_in_cycles(monkeypatch):
     """A notebook's previous Trainer, dropped, still refers to itself (as a Trainer does): only a collection frees
     its engine, and the new engine runs one first."""

@@ -55,8 +55,10 @@ Bucket = Any
 def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An optimizer copy holding no values: its size and dtype, one element of memory, and a write into it raises
     (every element is the same one). A disk bucket's between its steps ([Note: disk tier]), every bucket's after the
-    engine closed ([Note: memory freed at close])."""
-    return torch.zeros((), dtype=dtype).expand(numel)
+    engine closed ([Note: memory freed at close]). On the host, named: a finalizer may run it inside the caller's
+    `with torch.device("meta")`, which would otherwise make it there, and a parameter's `.data` cannot move to
+    another kind of tensor."""
+    return torch.zeros((), dtype=dtype, device="cpu").expand(numel)
 
 
 class StateTier:
