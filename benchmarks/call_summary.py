@@ -38,12 +38,19 @@ def _losses(losses: list | None) -> str:
 
 
 def _placement(settings: dict) -> str:
-    """The setting, and what the engine placed: 'auto (28/29 buckets, 25.4 GiB on GPU)'."""
+    """The setting, and what the engine placed: 'auto (28/29 buckets, 25.4 GiB on device)', and with a disk tier
+    'auto+disk (4/38 buckets, 11.0 GiB on device; 34 on disk, 38.4 GiB)'."""
     placed = (settings.get("path") or {}).get("optimizer_placement")
     text = settings.get("optimizer_placement", "-")
     if placed:
-        total = placed["device_buckets"] + placed["host_buckets"]
-        text += f" ({placed['device_buckets']}/{total} buckets, {placed['device_gib']:.1f} GiB on device)"
+        # The record counts the disk's buckets apart from the host's (`host_buckets` holds those whose state stays
+        # in host memory), so the total names all three tiers.
+        disk = placed.get("disk") or {}
+        total = placed["device_buckets"] + placed["host_buckets"] + disk.get("buckets", 0)
+        text += f" ({placed['device_buckets']}/{total} buckets, {placed['device_gib']:.1f} GiB on device"
+        if disk.get("buckets"):
+            text += f"; {disk['buckets']} on disk, {disk['gib']:.1f} GiB"
+        text += ")"
     return text
 
 

@@ -133,3 +133,15 @@ def test_summary_divides_by_the_same_files_baseline(tmp_path):
     assert "host 12.0 GiB" in trainer and "loss 10.5000" in trainer
     (rp,) = [line for line in lines if line.startswith("scratch  auto")]
     assert "0.950x hf" in rp and "held-out 3.7400" in rp and "placement auto" in rp
+
+
+def test_summary_counts_the_disks_buckets_in_the_total():
+    """A disk run's record counts its disk buckets apart from `host_buckets` (those whose state stays in host memory);
+    the summary once printed '4/4 buckets' for a run with 34 more on disk (the 4B at 64 x 4096, 2026-12-07)."""
+    placed = {"device_buckets": 4, "host_buckets": 0, "device_gib": 11.005,
+              "disk": {"buckets": 34, "gib": 38.352, "host_budget_gib": 24.0}}
+    text = call_summary._placement({"optimizer_placement": "auto+disk", "path": {"optimizer_placement": placed}})
+    assert text == "auto+disk (4/38 buckets, 11.0 GiB on device; 34 on disk, 38.4 GiB)"
+    without_disk = dict(placed, host_buckets=34, disk=None)
+    text = call_summary._placement({"optimizer_placement": "auto", "path": {"optimizer_placement": without_disk}})
+    assert text == "auto (4/38 buckets, 11.0 GiB on device)"
