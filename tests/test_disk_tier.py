@@ -616,8 +616,8 @@ def test_the_summary_and_the_trace_show_the_disk(tmp_path, capsys):
     staging = engine.optimizer_placement.staging_bytes
     (host,) = [line for line in err.splitlines() if "host memory:" in line]
     assert staging > 0 and f"{staging / 2**20:.1f} MiB of disk staging slots" in host, host
-    assert host.endswith("; beside it, outside host_memory_budget: the layer inputs kept for recomputation (they "
-                         "grow with the rows of a call) and the process's own memory"), host
+    assert ("; beside it, outside host_memory_budget: the layer inputs kept for recomputation (they grow with the "
+            "rows of a call) and the process's own memory; this process is resident at ") in host, host
     events = json.loads(trace.read_text())["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     disk = [e["name"] for e in events if e.get("ph") == "X" and tracks.get(e.get("tid"), "").startswith("disk io")]

@@ -5,6 +5,7 @@ live metrics read the engine's counters, trace and devices."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ from accelerate_roundpipe.telemetry.summary import PREFIX, engine_summary
 from accelerate_roundpipe.telemetry.trace import TraceRecorder
 
 from toy_models import batch, tied_model
+
+
+RESIDENT = re.compile(r"; this process is resident at [0-9.]+ (GiB|MiB) now")
+
+
+def _unmeasured(text: str) -> str:
+    """The summary without the process's resident memory, a measurement added since 53c2517 (checked on its own in
+    `test_the_host_memory_line_says_what_the_process_holds`)."""
+    return RESIDENT.sub("", text)
 
 
 def _summary_as_before(engine) -> str:
@@ -120,16 +130,16 @@ def test_the_summary_from_the_snapshot_is_the_text_it_was(name, tmp_path, capsys
     case = ENGINES[name]
     engine = _engine(case, tmp_path)
     try:
-        assert engine_summary(engine.snapshot()) == _summary_as_before(engine)  # no optimizer yet
+        assert _unmeasured(engine_summary(engine.snapshot())) == _summary_as_before(engine)  # no optimizer yet
         optimizer = engine.wrap_optimizer(case["optimizer"](engine.parameters()))
         if case.get("note"):
             engine.summary_notes["clipping"] = "max_grad_norm=1 (a note an integration adds)"
-        assert engine_summary(engine.snapshot()) == _summary_as_before(engine)
+        assert _unmeasured(engine_summary(engine.snapshot())) == _summary_as_before(engine)
         capsys.readouterr()
         _train_once(engine, optimizer)
         if engine.config.resolved_plan == "static":  # the measured plan's partition changes after the first pass
-            assert _printed_summary(capsys.readouterr().err) == _summary_as_before(engine)
-        assert engine_summary(engine.snapshot()) == _summary_as_before(engine)
+            assert _unmeasured(_printed_summary(capsys.readouterr().err)) == _summary_as_before(engine)
+        assert _unmeasured(engine_summary(engine.snapshot())) == _summary_as_before(engine)
     finally:
         engine.close()
 
@@ -151,11 +161,29 @@ def test_the_summary_of_a_lora_model_is_the_text_it_was(capsys):
         capsys.readouterr()
         engine.forward_backward(input_ids=ids, labels=ids)
         optimizer.step()
-        printed = _printed_summary(capsys.readouterr().err)
-        assert printed == _summary_as_before(engine) == engine_summary(engine.snapshot())
+        printed = _unmeasured(_printed_summary(capsys.readouterr().err))
+        assert printed == _summary_as_before(engine) == _unmeasured(engine_summary(engine.snapshot()))
         assert engine.snapshot().store.compute_dtypes == ("float32",)  # the frozen base in there too
     finally:
         engine.close()
+
+
+def test_the_host_memory_line_says_what_the_process_holds(tmp_path):
+    """The summary's host memory line ends with the process's resident memory when it is taken: beside the store's
+    count, what the libraries and the caller's objects hold ([Note: saved inputs in the start summary])."""
+    from accelerate_roundpipe.runtime.disk import resident_memory_bytes
+
+    engine = _engine(ENGINES["exact, default micro-batches"], tmp_path)
+    try:
+        resident = engine.snapshot().store.resident_bytes
+        now = resident_memory_bytes()
+        assert resident is not None and now is not None and 0.5 * now < resident < 2 * now
+        (line,) = [line for line in engine_summary(engine.snapshot()).splitlines() if "host memory:" in line]
+        (said,) = RESIDENT.findall(line)
+        assert line.endswith(" now") and said in ("MiB", "GiB")
+    finally:
+        engine.close()
+    assert resident_memory_bytes("/nonexistent/statm") is None
 
 
 def _plain(value, where: str) -> None:

@@ -72,3 +72,56 @@ def test_a_pass_that_would_not_fit_is_warned_about_once_per_shape(backward_stage
         assert len(room.warnings) == 1
     finally:
         engine.close()
+
+
+def test_on_gpus_the_count_is_what_torchs_page_locked_cache_allocates():
+    """[Note: saved inputs in the start summary]: a saved input downloaded from a GPU is a block of torch's caching
+    host allocator, rounded up to a power of two; CPU workers hold them at their size."""
+    from accelerate_roundpipe.runtime.execution.saved_input_room import pinned_block_bytes
+
+    assert [pinned_block_bytes(n) for n in (0, 1, 4096, 4097, 80 * 2**20, 160 * 2**20)] == \
+        [0, 1, 4096, 8192, 128 * 2**20, 256 * 2**20]
+    room = SavedInputRoom(_config(), element_size=2, on_host=False, resident=lambda: 2**30)
+    block = 4 * 40 * HIDDEN * 2  # 5,120 bytes a micro-batch: an 8 KiB block
+    assert room.block_bytes([4, 4], 40) == [block, block]
+    assert room.host_bytes([4, 4], 40, saved_layers=3, keep_limit_bytes=0) == 6 * block
+    assert room.allocated_bytes([4, 4], 40, saved_layers=3, keep_limit_bytes=0) == 6 * 8192
+    assert room.allocated_bytes([4, 4], 40, saved_layers=3, keep_limit_bytes=10**9) == 0  # all kept on the device
+    line = room.summary_line([4, 4], 40, 3, 0, "stage", free=2**31)
+    assert line.startswith("saved inputs: 3 layer inputs a pass for the backward's recomputation "
+                           "(recompute='stage'), 2 micro-batch(es) of 8 rows x 40 tokens x 16 hidden, 5.000 KiB each")
+    assert "at least 30.000 KiB of them in host memory (48.000 KiB as torch's page-locked cache allocates them: " \
+           "8.000 KiB a block; PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:" in line
+    assert line.endswith("outside host_memory_budget; this process is resident at 1.000 GiB, 2.000 GiB available")
+    exact = room.summary_line([4, 4], 32, 3, 0, "stage", free=2**31)  # 4,096-byte blocks: nothing rounded
+    assert "page-locked" not in exact and "at least 24.000 KiB of them in host memory, outside" in exact
+    assert "all kept on the device" in room.summary_line([4, 4], 40, 3, 10**9, "stage", free=2**31)
+    cpu = SavedInputRoom(_config(), element_size=2, on_host=True, resident=lambda: None)
+    assert cpu.allocated_bytes([4, 4], 40, 3, 0) == 6 * block
+    line = cpu.summary_line([4, 4], 40, 3, 0, "stage", free=2**31)
+    assert "page-locked" not in line and line.endswith("outside host_memory_budget, 2.000 GiB available")
+
+
+def test_the_first_pass_of_each_shape_prints_its_saved_inputs_beside_the_summary(capsys):
+    torch.manual_seed(0)
+    engine = wrap_model(transformers.LlamaForCausalLM(_config()),
+                        RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, plan="static",
+                                        backward_stages=[1, 1, 1, 1, 1, 1]))
+    try:
+        saved = len(engine._launch.partition.saved_input_layers("stage", fused=True) - {0})
+        ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+        capsys.readouterr()
+        engine.forward_backward(input_ids=ids, labels=ids)
+        engine.forward_backward(input_ids=ids, labels=ids)  # the same shape: said once
+        engine.forward_backward(input_ids=ids[:, :16], labels=ids[:, :16])  # a new shape: said again
+        err = capsys.readouterr().err
+    finally:
+        engine.close()
+    lines = [line for line in err.splitlines() if "saved inputs:" in line]
+    assert len(lines) == 2 and lines == [f"[roundpipe]   {line}" for line in engine._launch.saved_room.lines]
+    each = 4 * 32 * HIDDEN * 4  # float32 compute copies on CPU workers, 4 rows a micro-batch
+    assert f"saved inputs: {saved} layer inputs a pass" in lines[0] and "8 rows x 32 tokens x 16 hidden" in lines[0]
+    assert f"at least {2 * saved * each / 1024:.3f} KiB of them in host memory, outside host_memory_budget" in lines[0]
+    assert "this process is resident at " in lines[0] and lines[0].endswith(" available")
+    assert "8 rows x 16 tokens x 16 hidden" in lines[1]
+    assert err.index("(ROUNDPIPE_SUMMARY=0 hides this summary)") < err.index("saved inputs:")  # after the summary

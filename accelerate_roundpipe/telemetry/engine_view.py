@@ -55,6 +55,7 @@ class StoreView:
     compute_dtypes: tuple[str, ...]  # sorted, without "torch."
     optimizer_dtypes: tuple[str, ...]  # of the buckets with an optimizer copy; () when none has one
     pinned: bool
+    resident_bytes: int | None = None  # the process's resident memory when the snapshot was taken; None: unknown
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,12 @@ def _beside_the_store(placement: PlacementView | None) -> str:
             "rows of a call) and the process's own memory")
 
 
+def _resident(store: StoreView) -> str:
+    """The process's resident memory as the summary is printed, before the first pass: beside the store's count, what
+    the libraries, the CUDA context and what the caller holds add (the `saved inputs:` line says what a pass adds)."""
+    return "" if store.resident_bytes is None else f"; this process is resident at {_size(store.resident_bytes)} now"
+
+
 def engine_summary(snapshot: EngineSnapshot) -> str:
     """The start summary of an engine, from its snapshot, as lines of text (see the module docstring)."""
     store, placement, group = snapshot.store, snapshot.placement, snapshot.data_parallel
@@ -139,7 +145,7 @@ def engine_summary(snapshot: EngineSnapshot) -> str:
     lines += [
         f"  host memory: about {_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
         f"with AdamW state{_host_parts(placement)}), "
-        f"pinned: {'yes' if store.pinned else 'no'}{_beside_the_store(placement)}",
+        f"pinned: {'yes' if store.pinned else 'no'}{_beside_the_store(placement)}{_resident(store)}",
         f"  trace: {snapshot.trace_path} (written at the end of training and at exit)"
         if snapshot.trace_path
         else "  trace: off (ROUNDPIPE_TRACE=path.json records one)",

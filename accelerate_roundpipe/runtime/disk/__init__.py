@@ -16,7 +16,7 @@ from .bucket_file import BucketFile, MappedFlat
 from .errors import OffloadSettingError, StagingOrderError, SwapIOError, SwapTimeoutError
 from .folder_checks import check_folder, check_free_space, check_offload_dir, required_free_bytes
 from .layout import ALIGN, BucketLayout, TensorSpec
-from .memory_budget import available_memory_bytes, default_host_memory_budget
+from .memory_budget import available_memory_bytes, default_host_memory_budget, resident_memory_bytes
 from .staging import DiskStaging
 from .swap_files import SwapFiles
 from .swap_folder import SwapFolder, remove_leftovers
@@ -24,7 +24,8 @@ from .swap_folder import SwapFolder, remove_leftovers
 __all__ = ["ALIGN", "BucketFile", "BucketLayout", "DiskBandwidth", "DiskStaging", "MappedFlat", "OffloadSettingError",
            "StagingOrderError", "SwapFiles", "SwapFolder", "SwapIOError", "SwapTimeoutError", "TensorSpec",
            "available_memory_bytes", "check_folder", "check_free_space", "check_offload_dir",
-           "default_host_memory_budget", "open_swap", "probe_bandwidth", "remove_leftovers", "required_free_bytes"]
+           "default_host_memory_budget", "open_swap", "probe_bandwidth", "remove_leftovers", "required_free_bytes",
+           "resident_memory_bytes"]
 
 
 def open_swap(offload_dir: str, layouts: Mapping[Hashable, BucketLayout], slots: int, *,

@@ -71,3 +71,13 @@ def default_host_memory_budget(available_bytes: int | None = None) -> float:
     available = available_memory_bytes() if available_bytes is None else available_bytes
     headroom = max(MIN_HEADROOM_GIB * GiB, HEADROOM_SHARE * available)
     return max(0.0, (available - headroom) / GiB)
+
+
+def resident_memory_bytes(statm: str = "/proc/self/statm") -> int | None:
+    """This process's resident memory now, in bytes (Linux's /proc/self/statm: its second field, in pages); None
+    where that file cannot be read."""
+    text = _read(statm)
+    try:
+        return int(text.split()[1]) * os.sysconf("SC_PAGE_SIZE") if text else None
+    except (IndexError, ValueError):
+        return None

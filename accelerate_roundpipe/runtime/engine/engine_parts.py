@@ -140,7 +140,7 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     buffers = LayerBuffers(list(pipeline))  # [Note: layer buffers followed]
     # [Note: saved inputs in host memory]: a pass's saved inputs against the host's available memory
     saved_room = SavedInputRoom(getattr(module, "config", None), sizer.element_size,
-                                on_host=not any(d.is_cuda for d in devices))
+                                on_host=not any(d.is_cuda for d in devices), summary=config.resolved_summary)
     launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes,
                           buffers, saved_room)
     return EngineParts(devices, exchange, store, failure, passes, trace, plan, microbatches, dispatch, deferred,

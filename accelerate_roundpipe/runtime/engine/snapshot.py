@@ -19,6 +19,7 @@ from ...telemetry.engine_view import (
     StoreView,
 )
 from ..devices.device import Device
+from ..disk import resident_memory_bytes
 from ..distribution.gloo_exchange import DataParallelGroup
 from ..optimizer.optimizer import RoundPipeOptimizer
 from ..state.host_store import HostStore
@@ -36,7 +37,8 @@ def _store(store: HostStore) -> StoreView:
         compute_bytes=sum(b.compute.numel() * b.compute.element_size() for b in buckets),
         compute_dtypes=tuple(sorted({_dtype(b.compute) for b in buckets})),
         optimizer_dtypes=tuple(sorted({_dtype(b.optim) for b in buckets if b.optim is not None})),
-        pinned=store.pin_memory)
+        pinned=store.pin_memory,
+        resident_bytes=resident_memory_bytes())
 
 
 def _optimizer(optimizer: RoundPipeOptimizer | None) -> OptimizerView | None:

@@ -11,6 +11,18 @@ where the kernel would end the process without a word. So before a pass of a new
 least that must go to the host (every saved input less what the device may keep) with the memory available then
 and warns, naming the numbers and what to change, when it does not fit. A warning, not an error: page-locked blocks
 an earlier pass freed stay in torch's host cache, outside the available count, and are reused.
+
+[Note: saved inputs in the start summary]
+The store is what `host_memory_budget` bounds; a run's resident peak is that plus the saved inputs, torch's cache
+of page-locked blocks and the process's own memory (the Llama-3.1-8B disk run peaked at 110.6 GiB against 93.1 GiB
+counted for the store, and nothing said where the rest was). So the first pass of each new shape also prints one
+`saved inputs:` line, with the summary: how many inputs, their size, the least of them in host memory, the process's
+resident memory and what is available. On GPUs a saved input is copied to the host with `tensor.to("cpu",
+non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block up to a power of two
+(below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
+each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
+than `ROUNDING_NOTE_SHARE` of the inputs, names the setting that stops it (`PYTORCH_ALLOC_CONF`: the process's
+allocator is the user's to configure, not the engine's).
 """
 
 from __future__ import annotations
@@ -20,9 +32,18 @@ from collections.abc import Callable, Sequence
 
 from ...plan.shape_costs import shape_from_config
 from ...plan.stage_cost_model import format_bytes
-from ..disk import available_memory_bytes
+from ...telemetry.summary import announce
+from ..disk import available_memory_bytes, resident_memory_bytes
 
 logger = logging.getLogger(__name__)
+
+ROUNDING_NOTE_SHARE = 0.05  # name the allocator setting when rounding adds more than this share of the inputs
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The block torch's caching host allocator takes for `nbytes` at its default settings: the next power of
+    two."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 class SavedInputRoom:
@@ -30,23 +51,68 @@ class SavedInputRoom:
     Hugging Face decoder) checks nothing."""
 
     def __init__(self, model_config, element_size: int, on_host: bool,
-                 available: Callable[[], int] = available_memory_bytes) -> None:
+                 available: Callable[[], int] = available_memory_bytes, summary: bool = False,
+                 resident: Callable[[], int | None] = resident_memory_bytes) -> None:
         try:
             self.hidden_size = shape_from_config(model_config).hidden_size if model_config is not None else None
         except ValueError:
             self.hidden_size = None
         self.element_size, self.on_host, self.available = element_size, on_host, available
+        self.summary, self.resident = summary, resident
         self._checked: set[tuple] = set()
         self.warnings: list[str] = []
+        self.lines: list[str] = []  # the `saved inputs:` lines said so far ([Note: saved inputs in the start summary])
 
     def host_bytes(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int) -> int:
         """The least the saved inputs of a pass put in host memory."""
         total = sum(mb_rows) * seq_len * self.hidden_size * self.element_size * saved_layers
         return total if self.on_host else max(0, total - keep_limit_bytes)
 
+    def block_bytes(self, mb_rows: Sequence[int], seq_len: int) -> list[int]:
+        """One saved layer's inputs: a block per micro-batch."""
+        return [rows * seq_len * self.hidden_size * self.element_size for rows in mb_rows]
+
+    def allocated_bytes(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int) -> int:
+        """`host_bytes` as the host holds it: on GPUs each block is one of torch's page-locked blocks, rounded up to
+        a power of two; CPU workers keep them as ordinary tensors at their size."""
+        need = self.host_bytes(mb_rows, seq_len, saved_layers, keep_limit_bytes)
+        if self.on_host or not need:
+            return need
+        blocks = self.block_bytes(mb_rows, seq_len)
+        return round(need * sum(pinned_block_bytes(b) for b in blocks) / sum(blocks))
+
+    def summary_line(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int,
+                     recompute: str, free: int) -> str:
+        """The `saved inputs:` line of a pass of this shape ([Note: saved inputs in the start summary])."""
+        blocks = self.block_bytes(mb_rows, seq_len)
+        need = self.host_bytes(mb_rows, seq_len, saved_layers, keep_limit_bytes)
+        allocated = self.allocated_bytes(mb_rows, seq_len, saved_layers, keep_limit_bytes)
+        sizes = sorted(set(blocks))
+        each = " or ".join(format_bytes(b) for b in sizes)
+        line = (f"saved inputs: {saved_layers} layer inputs a pass for the backward's recomputation (recompute="
+                f"{recompute!r}), {len(mb_rows)} micro-batch(es) of {sum(mb_rows)} rows x {seq_len} tokens x "
+                f"{self.hidden_size} hidden, {each} each; ")
+        if not need:
+            line += "all kept on the device"
+        else:
+            line += f"at least {format_bytes(need)} of them in host memory"
+            if allocated > need:
+                rounded = " or ".join(format_bytes(pinned_block_bytes(b)) for b in sizes)
+                line += f" ({format_bytes(allocated)} as torch's page-locked cache allocates them: {rounded} a block"
+                if allocated - need > ROUNDING_NOTE_SHARE * need:
+                    line += (f"; PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:{max(1, sizes[0] // 2**20 // 2)} "
+                             f"allocates them at their size where this torch has that setting")
+                line += ")"
+            line += ", outside host_memory_budget"
+        resident = self.resident()
+        line += (f"; this process is resident at {format_bytes(resident)}" if resident is not None else "") + \
+            f", {format_bytes(free)} available"
+        return line
+
     def check(self, mb_rows: Sequence[int], inputs: tuple, saved_layers: frozenset[int], keep_limit_bytes: int,
               recompute: str) -> None:
-        """Warn once per shape when the pass's saved inputs would not fit the host's available memory."""
+        """Say the `saved inputs:` line once per shape (with the summary), and warn when the pass's saved inputs
+        would not fit the host's available memory."""
         saved_layers = saved_layers - {0}  # the first layer's input is the model's (token ids): the caller's own
         if self.hidden_size is None or not saved_layers or not inputs or inputs[0].dim() < 2:
             return
@@ -55,8 +121,11 @@ class SavedInputRoom:
         if key in self._checked:
             return
         self._checked.add(key)
-        need = self.host_bytes(mb_rows, seq_len, len(saved_layers), keep_limit_bytes)
+        need = self.allocated_bytes(mb_rows, seq_len, len(saved_layers), keep_limit_bytes)
         free = self.available()
+        line = self.summary_line(mb_rows, seq_len, len(saved_layers), keep_limit_bytes, recompute, free)
+        self.lines.append(line)
+        announce("  " + line, self.summary)  # indented as the summary's lines and the re-plan's
         if need <= free:
             return
         each = sum(mb_rows) * seq_len * self.hidden_size * self.element_size
@@ -64,7 +133,7 @@ class SavedInputRoom:
             f"RoundPipe: this training pass keeps the inputs of {len(saved_layers)} layers for the backward's "
             f"recomputation (recompute={recompute!r}: the first layer of each backward stage), {sum(mb_rows)} rows "
             f"x {seq_len} tokens x {self.hidden_size} hidden, {format_bytes(each)} each; at least "
-            f"{format_bytes(need)} of them go to host memory, and {format_bytes(free)} is available. If the process "
+            f"{format_bytes(need)} of them go to host memory (as allocated), and {format_bytes(free)} is available. If the process "
             f"is killed for memory: train fewer rows a step (per_device_train_batch_size, with "
             f"gradient_accumulation_steps for the same global batch), lower host_memory_budget so that more "
             f"optimizer state goes to disk, or set backward_stages to fewer, larger stages (fewer saved inputs).")
