@@ -102,7 +102,9 @@ def test_on_gpus_the_count_is_what_torchs_page_locked_cache_allocates():
     assert "page-locked" not in line and line.endswith("outside host_memory_budget, 2.000 GiB available")
 
 
-def test_the_first_pass_of_each_shape_prints_its_saved_inputs_beside_the_summary(capsys):
+def test_the_first_pass_and_each_larger_shape_print_their_saved_inputs_beside_the_summary(capsys):
+    """Once for the first shape, then only for a shape that keeps more: a Trainer padding each batch to its longest
+    row would otherwise print a line nearly every step."""
     torch.manual_seed(0)
     engine = wrap_model(transformers.LlamaForCausalLM(_config()),
                         RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, plan="static",
@@ -113,7 +115,9 @@ def test_the_first_pass_of_each_shape_prints_its_saved_inputs_beside_the_summary
         capsys.readouterr()
         engine.forward_backward(input_ids=ids, labels=ids)
         engine.forward_backward(input_ids=ids, labels=ids)  # the same shape: said once
-        engine.forward_backward(input_ids=ids[:, :16], labels=ids[:, :16])  # a new shape: said again
+        engine.forward_backward(input_ids=ids[:, :16], labels=ids[:, :16])  # smaller: nothing new to say
+        longer = torch.randint(0, 64, (8, 40), generator=torch.Generator().manual_seed(1))
+        engine.forward_backward(input_ids=longer, labels=longer)  # larger than the first: said again
         err = capsys.readouterr().err
     finally:
         engine.close()
@@ -123,5 +127,5 @@ def test_the_first_pass_of_each_shape_prints_its_saved_inputs_beside_the_summary
     assert f"saved inputs: {saved} layer inputs a pass" in lines[0] and "8 rows x 32 tokens x 16 hidden" in lines[0]
     assert f"at least {2 * saved * each / 1024:.3f} KiB of them in host memory, outside host_memory_budget" in lines[0]
     assert "this process is resident at " in lines[0] and lines[0].endswith(" available")
-    assert "8 rows x 16 tokens x 16 hidden" in lines[1]
+    assert "8 rows x 40 tokens x 16 hidden" in lines[1]
     assert err.index("(ROUNDPIPE_SUMMARY=0 hides this summary)") < err.index("saved inputs:")  # after the summary

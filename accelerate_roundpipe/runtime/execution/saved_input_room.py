@@ -17,7 +17,9 @@ The store is what `host_memory_budget` bounds; a run's resident peak is that plu
 of page-locked blocks and the process's own memory (the Llama-3.1-8B disk run peaked at 110.6 GiB against 93.1 GiB
 counted for the store, and nothing said where the rest was). So the first pass of each new shape also prints one
 `saved inputs:` line, with the summary: how many inputs, their size, the least of them in host memory, the process's
-resident memory and what is available. On GPUs a saved input is copied to the host with `tensor.to("cpu",
+resident memory and what is available. Later shapes print it again only when they keep more than any before them: a
+Trainer padding each batch to its longest row has a new shape nearly every step, and a line a step would bury the
+log. On GPUs a saved input is copied to the host with `tensor.to("cpu",
 non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block up to a power of two
 (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
 each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
@@ -62,6 +64,7 @@ class SavedInputRoom:
         self._checked: set[tuple] = set()
         self.warnings: list[str] = []
         self.lines: list[str] = []  # the `saved inputs:` lines said so far ([Note: saved inputs in the start summary])
+        self._most_said = -1  # the host bytes of the largest shape said so far
 
     def host_bytes(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int) -> int:
         """The least the saved inputs of a pass put in host memory."""
@@ -111,8 +114,9 @@ class SavedInputRoom:
 
     def check(self, mb_rows: Sequence[int], inputs: tuple, saved_layers: frozenset[int], keep_limit_bytes: int,
               recompute: str) -> None:
-        """Say the `saved inputs:` line once per shape (with the summary), and warn when the pass's saved inputs
-        would not fit the host's available memory."""
+        """Say the `saved inputs:` line for the first shape and for each that keeps more than those before it (with
+        the summary), and warn once per shape when the pass's saved inputs would not fit the host's available
+        memory."""
         saved_layers = saved_layers - {0}  # the first layer's input is the model's (token ids): the caller's own
         if self.hidden_size is None or not saved_layers or not inputs or inputs[0].dim() < 2:
             return
@@ -123,9 +127,11 @@ class SavedInputRoom:
         self._checked.add(key)
         need = self.allocated_bytes(mb_rows, seq_len, len(saved_layers), keep_limit_bytes)
         free = self.available()
-        line = self.summary_line(mb_rows, seq_len, len(saved_layers), keep_limit_bytes, recompute, free)
-        self.lines.append(line)
-        announce("  " + line, self.summary)  # indented as the summary's lines and the re-plan's
+        if need > self._most_said:
+            self._most_said = need
+            line = self.summary_line(mb_rows, seq_len, len(saved_layers), keep_limit_bytes, recompute, free)
+            self.lines.append(line)
+            announce("  " + line, self.summary)  # indented as the summary's lines and the re-plan's
         if need <= free:
             return
         each = sum(mb_rows) * seq_len * self.hidden_size * self.element_size
