@@ -26,7 +26,6 @@ from accelerate_roundpipe.telemetry.trace import TraceRecorder
 
 from toy_models import batch, tied_model
 
-
 RESIDENT = re.compile(r"; this process is resident at [0-9.]+ (GiB|MiB) now")
 
 

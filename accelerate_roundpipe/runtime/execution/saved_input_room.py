@@ -139,8 +139,8 @@ class SavedInputRoom:
             f"RoundPipe: this training pass keeps the inputs of {len(saved_layers)} layers for the backward's "
             f"recomputation (recompute={recompute!r}: the first layer of each backward stage), {sum(mb_rows)} rows "
             f"x {seq_len} tokens x {self.hidden_size} hidden, {format_bytes(each)} each; at least "
-            f"{format_bytes(need)} of them go to host memory (as allocated), and {format_bytes(free)} is available. If the process "
-            f"is killed for memory: train fewer rows a step (per_device_train_batch_size, with "
+            f"{format_bytes(need)} of them go to host memory (as allocated), and {format_bytes(free)} is available. "
+            f"If the process is killed for memory: train fewer rows a step (per_device_train_batch_size, with "
             f"gradient_accumulation_steps for the same global batch), lower host_memory_budget so that more "
             f"optimizer state goes to disk, or set backward_stages to fewer, larger stages (fewer saved inputs).")
         self.warnings.append(message)
