@@ -220,3 +220,22 @@ def test_what_the_store_still_allocates_on_the_host(tmp_path):
         assert engine._microbatches.sizer.pending_host_bytes() == 3 * (flat - disk_flat) + disk_flat
     finally:
         engine.close()
+
+
+def test_on_gpus_the_saved_inputs_are_counted_as_torchs_page_locked_cache_allocates_them(monkeypatch):
+    """[Note: saved inputs in the start summary]: a saved input downloaded from a GPU takes a power-of-two block of
+    torch's page-locked cache, so the first pass's host room is weighed against that (here modelled on CPU workers
+    by counting their inputs as a GPU's would be)."""
+    monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
+    engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static"))
+    try:
+        engine._microbatches.sizer.saved_on_host = False  # as on GPUs
+        ids = torch.randint(0, 64, (8, 40), generator=torch.Generator().manual_seed(1))
+        engine.forward_backward(input_ids=ids, labels=ids)
+        sizing = engine._microbatches.sizing
+        # 4 micro-batches of 2 rows x 40 tokens x 16 hidden x 8 bytes = 10 KiB each, a 16 KiB block: 1.6 times
+        assert sizing.input_bytes == 8 * 40 * 16 * 8 * 16384 // 10240 == 64 * 1024
+        assert "6 layer inputs of 64.000 KiB as allocated, more than the" in sizing.stages_reason(8)
+        engine.synchronize()
+    finally:
+        engine.close()

@@ -58,6 +58,7 @@ class FirstPassSizing:
     partition: Partition | None = None  # the first pass's, when regrouped; None: the engine's unplanned one
     input_bytes: int = 0  # one saved layer input of the batch (rows x tokens x hidden x the dtype's size)
     host_room_bytes: float = 0.0  # what the saved inputs may take of host memory ([Note: first-pass backward stages])
+    inputs_as_allocated: bool = False  # input_bytes counts torch's page-locked blocks (GPUs), not the tensors' size
 
     @property
     def raised(self) -> bool:
@@ -72,7 +73,8 @@ class FirstPassSizing:
         if self.stage_layers == 1:
             return None
         return (f"backward stages of {self.stage_layers} layers on the first pass: one-layer stages would keep "
-                f"{saved_stage_inputs(num_layers, 1)} layer inputs of {format_bytes(self.input_bytes)}, more than the "
+                f"{saved_stage_inputs(num_layers, 1)} layer inputs of {format_bytes(self.input_bytes)}"
+                f"{' as allocated' if self.inputs_as_allocated else ''}, more than the "
                 f"{format_bytes(self.host_room_bytes)} of host memory allowed them")
 
     def reason(self) -> str:
@@ -86,7 +88,8 @@ class FirstPassSizing:
 
 def size_first_pass(per_row: RowActivations, rows: int, seq_len: int, default_count: int, free_bytes: float,
                     choices: Sequence[int], stage_layers: int = 1, partition: Partition | None = None,
-                    input_bytes: int = 0, host_room_bytes: float = 0.0) -> FirstPassSizing:
+                    input_bytes: int = 0, host_room_bytes: float = 0.0,
+                    inputs_as_allocated: bool = False) -> FirstPassSizing:
     """The smallest count of `choices` (or `rows`) from `default_count` up to `rows` whose micro-batch, through
     backward stages of `stage_layers` layers, fits `free_bytes` ([Note: first-pass micro-batches])."""
     default = min(default_count, rows)
@@ -94,7 +97,7 @@ def size_first_pass(per_row: RowActivations, rows: int, seq_len: int, default_co
     count = next((c for c in candidates if math.ceil(rows / c) * per_row.total_bytes * stage_layers <= free_bytes),
                  candidates[-1])
     return FirstPassSizing(rows, seq_len, default, count, free_bytes, per_row, stage_layers, partition, input_bytes,
-                           host_room_bytes)
+                           host_room_bytes, inputs_as_allocated)
 
 
 SAVED_HOST_SHARE = 0.25  # of the host memory available at the first sizing ([Note: first-pass backward stages])

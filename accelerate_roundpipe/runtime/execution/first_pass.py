@@ -27,6 +27,7 @@ from ...plan.shape_costs import shape_from_config
 from ..disk import available_memory_bytes
 from ..state.host_store import HostStore
 from .measured_plan import MICROBATCH_CHOICES, PLAN_SHARE, MeasuredPlan
+from .saved_input_room import pinned_block_bytes
 
 
 class FirstPassSizer:
@@ -72,9 +73,13 @@ class FirstPassSizer:
             budget = self.host_bytes()
         return budget * PLAN_SHARE - (self.stage_bytes if stage_bytes is None else stage_bytes)
 
-    def _stage_layers(self, per_row: RowActivations, rows: int, seq_len: int) -> tuple[int, Partition, int, float]:
+    def _stage_layers(self, per_row: RowActivations, rows: int, seq_len: int,
+                      default_count: int) -> tuple[int, Partition, int, float]:
         """The backward stages' layers for a batch, and the partition they make: the fewest whose saved inputs fit
-        the host's share, never more than one row can fit ([Note: first-pass backward stages])."""
+        the host's share, never more than one row can fit ([Note: first-pass backward stages]). On GPUs a saved
+        input is counted as torch's page-locked cache allocates it, a power of two a micro-batch
+        ([Note: saved inputs in the start summary]), at the default count (halving a micro-batch keeps the
+        ratio)."""
         if not self.regroup or self.partition.num_layers < 3:
             return 1, self.partition, 0, 0.0
         num_layers = self.partition.num_layers
@@ -83,6 +88,9 @@ class FirstPassSizer:
         except ValueError:
             return 1, self.partition, 0, 0.0
         input_bytes = rows * seq_len * hidden * self.element_size
+        if not self.saved_on_host:
+            block = -(-rows // min(default_count, rows)) * seq_len * hidden * self.element_size
+            input_bytes = input_bytes * pinned_block_bytes(block) // block
         kept = 0 if self.saved_on_host else self.plan.keep_limit_bytes
         # A share of what is available, and never what the store still allocates after it
         host = self.host_bytes()
@@ -109,8 +117,9 @@ class FirstPassSizer:
             if per_row is None:
                 self._sizings[key] = None
             else:
-                layers, partition, input_bytes, room = self._stage_layers(per_row, rows, seq_len)
+                layers, partition, input_bytes, room = self._stage_layers(per_row, rows, seq_len, default_count)
                 self._sizings[key] = size_first_pass(
                     per_row, rows, seq_len, default_count, self.free_bytes(self._stage_bytes(partition)),
-                    MICROBATCH_CHOICES, layers, None if layers == 1 else partition, input_bytes, room)
+                    MICROBATCH_CHOICES, layers, None if layers == 1 else partition, input_bytes, room,
+                    inputs_as_allocated=not self.saved_on_host)
         return self._sizings[key]
