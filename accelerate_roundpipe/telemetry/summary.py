@@ -81,8 +81,12 @@ def _dtypes(store: StoreView) -> str:
     return f"compute {'/'.join(store.compute_dtypes)}, optimizer {'/'.join(store.optimizer_dtypes) or '-'}"
 
 
-def _size(num_bytes: int) -> str:
+def summary_size(num_bytes: float) -> str:
+    """Bytes as the start summary's lines give them (the tiers' line and the placement's messages too)."""
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+_size = summary_size
 
 
 def _off_host(placement: PlacementView | None) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...telemetry.summary import summary_size
 from ..disk import DiskBandwidth, OffloadSettingError, available_memory_bytes, default_host_memory_budget
 from ..disk import remove_leftovers as remove_swap_leftovers
 from .bucket import Bucket
@@ -161,11 +162,11 @@ class OptimizerPlacement:
 
     def tiers_line(self) -> str:
         """The start summary's line: buckets and GiB in each tier, and the disk's measured bandwidth."""
-        line = (f"device {len(self.device_buckets)} buckets {_size(self.device_bytes())}, host "
-                f"{len(self.host_buckets)} buckets {_size(self.host_state_bytes)}, disk "
-                f"{len(self.disk_buckets)} buckets {_size(self.disk_bytes)}")
+        line = (f"device {len(self.device_buckets)} buckets {summary_size(self.device_bytes())}, host "
+                f"{len(self.host_buckets)} buckets {summary_size(self.host_state_bytes)}, disk "
+                f"{len(self.disk_buckets)} buckets {summary_size(self.disk_bytes)}")
         if self.host_budget_bytes is not None:
-            line += f" (host_memory_budget {_size(self.host_budget_bytes)})"
+            line += f" (host_memory_budget {summary_size(self.host_budget_bytes)})"
         disk = self.disk
         if disk is not None:
             line += f"; swap files in {disk.folder}"
@@ -174,7 +175,8 @@ class OptimizerPlacement:
                          f"{disk.bandwidth.read_gbps:.2f} GB/s read: about {_seconds(disk.step_seconds)} s a step to "
                          f"read and write its buckets")
             if not disk.plan.fits:
-                line += f"; the store still needs {_size(disk.plan.host_bytes)} with every bucket it can move on disk"
+                line += (f"; the store still needs {summary_size(disk.plan.host_bytes)} with every bucket it can move "
+                         f"on disk")
         return line
 
     def close(self) -> None:
@@ -215,8 +217,6 @@ def _seconds(s: float) -> str:
     return f"{s:.0f}" if s >= 100 else f"{s:.3g}"
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _layers(layers: tuple[int, ...]) -> str:
@@ -333,7 +333,7 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
         # in the sizes of the summary's tiers line: "0.01 GiB needs 0.01 GiB" said nothing on a small model
         logger.warning("RoundPipe: host_memory_budget is %s, and the store needs %s of host memory even with the "
                        "optimizer state of every trainable bucket on disk (compute copies and gradients stay); "
-                       "training goes on, over the budget.", _size(budget_bytes), _size(plan.host_bytes))
+                       "training goes on, over the budget.", summary_size(budget_bytes), summary_size(plan.host_bytes))
     disk_buckets = [store.buckets[i] for i in plan.buckets]
     disk = DiskTier.open(disk_buckets, names, offload_dir, timeout_s)
     for bucket in disk_buckets:
