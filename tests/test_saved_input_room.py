@@ -89,7 +89,8 @@ def test_on_gpus_the_count_is_what_torchs_page_locked_cache_allocates():
     assert room.allocated_bytes([4, 4], 40, saved_layers=3, keep_limit_bytes=10**9) == 0  # all kept on the device
     line = room.summary_line([4, 4], 40, 3, 0, "stage", free=2**31)
     assert line.startswith("saved inputs: 3 layer inputs a pass for the backward's recomputation "
-                           "(recompute='stage'), 2 micro-batch(es) of 8 rows x 40 tokens x 16 hidden, 5.000 KiB each")
+                           "(recompute='stage'), each 8 rows x 40 tokens x 16 hidden in 2 micro-batch block(s) of "
+                           "5.000 KiB; ")
     assert "at least 30.000 KiB of them in host memory (48.000 KiB as torch's page-locked cache allocates them: " \
            "8.000 KiB a block; PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:" in line
     assert line.endswith("outside host_memory_budget; this process is resident at 1.000 GiB, 2.000 GiB available")
@@ -103,8 +104,8 @@ def test_on_gpus_the_count_is_what_torchs_page_locked_cache_allocates():
 
 
 def test_the_first_pass_and_each_larger_shape_print_their_saved_inputs_beside_the_summary(capsys):
-    """Once for the first shape, then only for a shape that keeps more: a Trainer padding each batch to its longest
-    row would otherwise print a line nearly every step."""
+    """Once for the first shape, then only for a shape that keeps a quarter more: a Trainer padding each batch to its
+    longest row would otherwise print a line nearly every step."""
     torch.manual_seed(0)
     engine = wrap_model(transformers.LlamaForCausalLM(_config()),
                         RoundPipeConfig(devices=["cpu", "cpu"], num_microbatches=2, plan="static",
@@ -117,14 +118,16 @@ def test_the_first_pass_and_each_larger_shape_print_their_saved_inputs_beside_th
         engine.forward_backward(input_ids=ids, labels=ids)  # the same shape: said once
         engine.forward_backward(input_ids=ids[:, :16], labels=ids[:, :16])  # smaller: nothing new to say
         longer = torch.randint(0, 64, (8, 40), generator=torch.Generator().manual_seed(1))
-        engine.forward_backward(input_ids=longer, labels=longer)  # larger than the first: said again
+        engine.forward_backward(input_ids=longer[:, :36], labels=longer[:, :36])  # 1.125x the first: not yet
+        engine.forward_backward(input_ids=longer, labels=longer)  # 1.25x the first: said again
         err = capsys.readouterr().err
     finally:
         engine.close()
     lines = [line for line in err.splitlines() if "saved inputs:" in line]
     assert len(lines) == 2 and lines == [f"[roundpipe]   {line}" for line in engine._launch.saved_room.lines]
     each = 4 * 32 * HIDDEN * 4  # float32 compute copies on CPU workers, 4 rows a micro-batch
-    assert f"saved inputs: {saved} layer inputs a pass" in lines[0] and "8 rows x 32 tokens x 16 hidden" in lines[0]
+    assert f"saved inputs: {saved} layer inputs a pass" in lines[0]
+    assert "each 8 rows x 32 tokens x 16 hidden in 2 micro-batch block(s) of 8.000 KiB" in lines[0]
     assert f"at least {2 * saved * each / 1024:.3f} KiB of them in host memory, outside host_memory_budget" in lines[0]
     assert "this process is resident at " in lines[0] and lines[0].endswith(" available")
     assert "8 rows x 40 tokens x 16 hidden" in lines[1]

@@ -17,9 +17,9 @@ The store is what `host_memory_budget` bounds; a run's resident peak is that plu
 of page-locked blocks and the process's own memory (the Llama-3.1-8B disk run peaked at 110.6 GiB against 93.1 GiB
 counted for the store, and nothing said where the rest was). So the first pass of each new shape also prints one
 `saved inputs:` line, with the summary: how many inputs, their size, the least of them in host memory, the process's
-resident memory and what is available. Later shapes print it again only when they keep more than any before them: a
-Trainer padding each batch to its longest row has a new shape nearly every step, and a line a step would bury the
-log. On GPUs a saved input is copied to the host with `tensor.to("cpu",
+resident memory and what is available. Later shapes print it again only when they keep `RESAY_GROWTH` times the
+most said before: a Trainer padding each batch to its longest row has a new shape nearly every step, and a line for
+each new longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host with `tensor.to("cpu",
 non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block up to a power of two
 (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
 each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
@@ -40,6 +40,7 @@ from ..disk import available_memory_bytes, resident_memory_bytes
 logger = logging.getLogger(__name__)
 
 ROUNDING_NOTE_SHARE = 0.05  # name the allocator setting when rounding adds more than this share of the inputs
+RESAY_GROWTH = 1.25  # a later shape's line is said when it keeps this many times the most said before
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -93,8 +94,8 @@ class SavedInputRoom:
         sizes = sorted(set(blocks))
         each = " or ".join(format_bytes(b) for b in sizes)
         line = (f"saved inputs: {saved_layers} layer inputs a pass for the backward's recomputation (recompute="
-                f"{recompute!r}), {len(mb_rows)} micro-batch(es) of {sum(mb_rows)} rows x {seq_len} tokens x "
-                f"{self.hidden_size} hidden, {each} each; ")
+                f"{recompute!r}), each {sum(mb_rows)} rows x {seq_len} tokens x {self.hidden_size} hidden in "
+                f"{len(mb_rows)} micro-batch block(s) of {each}; ")
         if not need:
             line += "all kept on the device"
         else:
@@ -127,7 +128,7 @@ class SavedInputRoom:
         self._checked.add(key)
         need = self.allocated_bytes(mb_rows, seq_len, len(saved_layers), keep_limit_bytes)
         free = self.available()
-        if need > self._most_said:
+        if need > self._most_said and need >= self._most_said * RESAY_GROWTH:
             self._most_said = need
             line = self.summary_line(mb_rows, seq_len, len(saved_layers), keep_limit_bytes, recompute, free)
             self.lines.append(line)
