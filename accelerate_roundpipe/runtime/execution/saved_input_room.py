@@ -15,14 +15,14 @@ an earlier pass freed stay in torch's host cache, outside the available count, a
 [Note: saved inputs in the start summary]
 The store is what `host_memory_budget` bounds; a run's resident peak is that plus the saved inputs, torch's cache
 of page-locked blocks and the process's own memory (the Llama-3.1-8B disk run peaked at 110.6 GiB against 93.1 GiB
-counted for the store, and nothing said where the rest was). So the first pass of each new shape also prints one
-`saved inputs:` line, with the summary: how many inputs, their size, the least of them in host memory, the process's
-resident memory and what is available. Later shapes print it again only when they keep `RESAY_GROWTH` times the
-most said before: a Trainer padding each batch to its longest row has a new shape nearly every step, and a line for
-each new longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host with `tensor.to("cpu",
-non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block up to a power of two
-(below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
-each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
+counted for the store, and nothing said where the rest was). So the first pass also prints one `saved inputs:`
+line, with the summary: how many inputs, their size, the least of them in host memory, the process's resident
+memory and what is available. Later shapes print it again only when they keep `RESAY_GROWTH` times the most said
+before: a Trainer padding each batch to its longest row has a new shape nearly every step, and a line for each new
+longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host
+with `tensor.to("cpu", non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block
+up to a power of two (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4
+rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
 than `ROUNDING_NOTE_SHARE` of the inputs, names the setting that stops it (`PYTORCH_ALLOC_CONF`: the process's
 allocator is the user's to configure, not the engine's).
 """
