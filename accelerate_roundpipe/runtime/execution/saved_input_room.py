@@ -22,9 +22,9 @@ before: a Trainer padding each batch to its longest row has a new shape nearly e
 longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host
 with `tensor.to("cpu", non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block
 up to a power of two (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4
-rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the rounding costs more
-than `ROUNDING_NOTE_SHARE` of the inputs, names the setting that stops it (`PYTORCH_ALLOC_CONF`: the process's
-allocator is the user's to configure, not the engine's).
+rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the
+rounding costs more than `ROUNDING_NOTE_SHARE` of the inputs, names the setting that stops it (`PYTORCH_ALLOC_CONF`:
+the process's allocator is the user's to configure, not the engine's).
 """
 
 from __future__ import annotations
