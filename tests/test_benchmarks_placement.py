@@ -41,6 +41,10 @@ def test_placement_passes_through_and_is_recorded(tmp_path, monkeypatch):
     assert auto["settings"]["path"]["optimizer_placement"]["device_buckets"] == 0
     # the same initial weights in every run: the placements' losses compare step by step
     assert device["losses"] == pytest.approx(host["losses"], abs=1e-4)
+    # and what the passes kept for recomputation, with the process's resident memory then
+    saved = device["settings"]["path"]["saved_inputs"]
+    assert saved["lines"][0].startswith("saved inputs: ") and "resident at" in saved["lines"][0]
+    assert saved["most_host_gib"] >= 0
     # any other field goes through too
     (other,) = [json.loads(line) for line in out.read_text().splitlines()][3:]
     assert other["settings"]["config"]["wait_timeout_s"] == 300

@@ -41,7 +41,7 @@ def run_accelerate_loop(model: torch.nn.Module, config: RoundPipeConfig, batch: 
             clock.end(step)
         path = {"api": "RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(...)) stock loop",
                 "mixed_precision": precision, "optimizer": common.describe_optimizer(optimizer.optimizer.inner),
-                "optimizer_placement": common.placement_of(engine)}
+                "optimizer_placement": common.placement_of(engine), "saved_inputs": common.saved_inputs_of(engine)}
         return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows, seq), meter, path)
     finally:
         common.close_engine(engine)

@@ -75,6 +75,15 @@ def placement_of(engine) -> dict | None:
     return out
 
 
+def saved_inputs_of(engine) -> dict | None:
+    """What the engine said of the layer inputs its passes keep for recomputation ([Note: saved inputs in the start
+    summary]): the lines (each with the process's resident memory then) and the most host GiB of them."""
+    room = getattr(getattr(engine, "_launch", None), "saved_room", None)
+    if room is None:
+        return None
+    return {"lines": list(room.lines), "most_host_gib": round(room.most_host_bytes / 2**30, 3)}
+
+
 def disk_bandwidth_of(bandwidth) -> dict:
     """A `DiskBandwidth` (the disk's probe: runtime/disk/bandwidth.py) as record fields."""
     if bandwidth is None:

@@ -41,7 +41,7 @@ def run_engine(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, war
             clock.end(step)
         path = {"api": "wrap_model + forward_backward", "accumulation": accumulation,
                 "optimizer": common.describe_optimizer(optimizer.inner),
-                "optimizer_placement": common.placement_of(engine)}
+                "optimizer_placement": common.placement_of(engine), "saved_inputs": common.saved_inputs_of(engine)}
         return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(call_rows, seq), meter,
                                  path)
     finally:

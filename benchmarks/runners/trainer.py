@@ -88,7 +88,8 @@ def run_trainer(model: torch.nn.Module, config: RoundPipeConfig, batch: dict, wa
             path = {"api": "RoundPipeTrainer + RoundPipeTrainingArguments", "bf16": bf16,
                     "optimizer": common.describe_optimizer(trainer.optimizer.optimizer.inner),
                     "max_grad_norm": max_grad_norm, "lr_scheduler_type": "constant", "logging_steps": logging_steps,
-                    "optimizer_placement": common.placement_of(engine)}
+                    "optimizer_placement": common.placement_of(engine),
+                    "saved_inputs": common.saved_inputs_of(engine)}
             return common.run_result(clock, losses, rows, seq, engine.num_microbatches_for(rows, seq), meter, path)
         finally:
             common.close_engine(trainer.roundpipe_engine if trainer is not None else None)

@@ -67,6 +67,11 @@ class SavedInputRoom:
         self.lines: list[str] = []  # the `saved inputs:` lines said so far ([Note: saved inputs in the start summary])
         self._most_said = -1  # the host bytes of the largest shape said so far
 
+    @property
+    def most_host_bytes(self) -> int:
+        """The most host bytes (as allocated) of the shapes said so far; 0 before the first."""
+        return max(0, self._most_said)
+
     def host_bytes(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int) -> int:
         """The least the saved inputs of a pass put in host memory."""
         total = sum(mb_rows) * seq_len * self.hidden_size * self.element_size * saved_layers
