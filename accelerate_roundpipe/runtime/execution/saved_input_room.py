@@ -120,9 +120,9 @@ class SavedInputRoom:
 
     def check(self, mb_rows: Sequence[int], inputs: tuple, saved_layers: frozenset[int], keep_limit_bytes: int,
               recompute: str) -> None:
-        """Say the `saved inputs:` line for the first shape and for each that keeps more than those before it (with
-        the summary), and warn once per shape when the pass's saved inputs would not fit the host's available
-        memory."""
+        """Say the `saved inputs:` line for the first shape and for each that keeps `RESAY_GROWTH` times the most
+        said before (with the summary), and warn once per shape when the pass's saved inputs would not fit the
+        host's available memory."""
         saved_layers = saved_layers - {0}  # the first layer's input is the model's (token ids): the caller's own
         if self.hidden_size is None or not saved_layers or not inputs or inputs[0].dim() < 2:
             return
