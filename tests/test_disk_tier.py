@@ -732,3 +732,44 @@ def test_a_budget_too_small_even_with_everything_on_disk_is_said_in_readable_siz
     (message,) = [r.getMessage() for r in caplog.records if "training goes on, over the budget" in r.getMessage()]
     budget, need = re.search(r"host_memory_budget is (\S+ [MG]iB), and the store needs (\S+ [MG]iB)", message).groups()
     assert budget != need and need.endswith("MiB"), message
+
+
+class _RecordedLocks:
+    """Page-locks as a GPU machine's store makes them, recorded (CPU workers lock nothing)."""
+
+    def __init__(self) -> None:
+        self.locked: list[int] = []
+        self.unlocked: list[int] = []
+
+    def lock(self, buffer: torch.Tensor) -> None:
+        self.locked.append(buffer.numel() * buffer.element_size())
+
+    def unlock(self, buffers: list[torch.Tensor]) -> bool:
+        self.unlocked += [t.numel() * t.element_size() for t in buffers]
+        return True
+
+
+def test_the_staging_slots_are_page_locked_at_their_exact_size_with_the_stores_buffers(tmp_path):
+    """[Note: exact-size pinned memory]: the slots came from torch's page-locked allocator, which rounds a block up to
+    a power of two (Llama-3.1-8B's 7.31 GiB of slots took 8 GiB, outside what the start summary counted); they are the
+    store's exact-size buffers now, locked with it and unlocked at close()."""
+    from accelerate_roundpipe.runtime.devices.pinned import HostMemory
+
+    config, _ = _mix(tmp_path, "host+disk")
+    engine = RoundPipe(wide_model(), config)
+    locks = _RecordedLocks()
+    engine.host_store.memory = HostMemory(pinned=True, locks=locks)  # as on a GPU machine, before any bucket moves
+    try:
+        optimizer = engine.wrap_optimizer(torch.optim.AdamW([p for p in engine.parameters() if p.requires_grad],
+                                                            lr=LR, weight_decay=WEIGHT_DECAY))
+        from accelerate_roundpipe.runtime.state.disk_tier import DiskTier
+
+        (tier,) = [t for t in engine.optimizer_placement.tiers if isinstance(t, DiskTier)]
+        staging = tier.staging
+        slots_bytes = staging.slots * staging.slot_bytes
+        assert staging._buffer.numel() == slots_bytes and slots_bytes & (slots_bytes - 1)  # not a power of two here
+        assert slots_bytes in locks.locked
+        _train(engine, optimizer, _batches(1), look_every_step=False)
+    finally:
+        engine.close()
+    assert slots_bytes in locks.unlocked

@@ -335,7 +335,7 @@ def place_past_host_budget(placement: OptimizerPlacement, store, optimizer: torc
                        "optimizer state of every trainable bucket on disk (compute copies and gradients stay); "
                        "training goes on, over the budget.", summary_size(budget_bytes), summary_size(plan.host_bytes))
     disk_buckets = [store.buckets[i] for i in plan.buckets]
-    disk = DiskTier.open(disk_buckets, names, offload_dir, timeout_s)
+    disk = DiskTier.open(disk_buckets, names, offload_dir, timeout_s, memory=store.memory)
     for bucket in disk_buckets:
         old_optim = bucket.optim
         bucket.rehome(disk, disk.stand_in_of(bucket), bucket.grad, bucket.pending)
