@@ -45,6 +45,10 @@ def test_placement_passes_through_and_is_recorded(tmp_path, monkeypatch):
     saved = device["settings"]["path"]["saved_inputs"]
     assert saved["lines"][0].startswith("saved inputs: ") and "resident at" in saved["lines"][0]
     assert saved["most_host_gib"] >= 0
+    # one warm-up step under the measured plan: the record says its first timed step is the new plan's first pass
+    assert device["settings"]["first_timed_step_is_first_planned_pass"] is False  # CPU workers: a static plan
+    (measured,) = _records(tmp_path / "measured.jsonl", "--system", "roundpipe-engine", "--roundpipe", "plan=measured")
+    assert measured["status"] == "ok" and measured["settings"]["first_timed_step_is_first_planned_pass"] is True
     # any other field goes through too
     (other,) = [json.loads(line) for line in out.read_text().splitlines()][3:]
     assert other["settings"]["config"]["wait_timeout_s"] == 300
