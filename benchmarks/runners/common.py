@@ -76,8 +76,8 @@ def placement_of(engine) -> dict | None:
 
 
 def saved_inputs_of(engine) -> dict | None:
-    """What the engine said of the layer inputs its passes keep for recomputation ([Note: saved inputs in the start
-    summary]): the lines (each with the process's resident memory then) and the most host GiB of them."""
+    """What the engine said of the layer inputs its passes keep for recomputation: the lines (each with the
+    process's resident memory then) and the most host GiB of them ([Note: saved inputs in the start summary])."""
     room = getattr(getattr(engine, "_launch", None), "saved_room", None)
     if room is None:
         return None
