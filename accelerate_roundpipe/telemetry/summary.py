@@ -86,8 +86,6 @@ def summary_size(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-_size = summary_size
-
 
 def _off_host(placement: PlacementView | None) -> int:
     """Bytes of optimizer state the placement keeps on devices or on disk, not in host memory
@@ -105,7 +103,8 @@ def _host_bytes(store: StoreView, placement: PlacementView | None) -> int:
 def _host_parts(placement: PlacementView | None) -> str:
     if not _off_host(placement):
         return ""
-    staging = f" and {_size(placement.staging_bytes)} of disk staging slots" if placement.staging_bytes else ""
+    staging = f" and {summary_size(placement.staging_bytes)} of disk staging slots" if placement.staging_bytes \
+        else ""
     return f" of the buckets on the host{staging}"
 
 
@@ -121,7 +120,9 @@ def _beside_the_store(placement: PlacementView | None) -> str:
 def _resident(store: StoreView) -> str:
     """The process's resident memory as the summary is printed, before the first pass: beside the store's count, what
     the libraries, the CUDA context and what the caller holds add (the `saved inputs:` line says what a pass adds)."""
-    return "" if store.resident_bytes is None else f"; this process is resident at {_size(store.resident_bytes)} now"
+    if store.resident_bytes is None:
+        return ""
+    return f"; this process is resident at {summary_size(store.resident_bytes)} now"
 
 
 def engine_summary(snapshot: EngineSnapshot) -> str:
@@ -147,7 +148,7 @@ def engine_summary(snapshot: EngineSnapshot) -> str:
                      f"state sharded, weights all-gathered per bucket; gloo)")
     lines += [f"  {name}: {value}" for name, value in snapshot.notes]
     lines += [
-        f"  host memory: about {_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
+        f"  host memory: about {summary_size(_host_bytes(store, placement))} for the store ({_dtypes(store)}, "
         f"with AdamW state{_host_parts(placement)}), "
         f"pinned: {'yes' if store.pinned else 'no'}{_beside_the_store(placement)}{_resident(store)}",
         f"  trace: {snapshot.trace_path} (written at the end of training and at exit)"
