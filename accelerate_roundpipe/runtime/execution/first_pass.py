@@ -27,7 +27,7 @@ from ...plan.shape_costs import shape_from_config
 from ..disk import available_memory_bytes
 from ..state.host_store import HostStore
 from .measured_plan import MICROBATCH_CHOICES, PLAN_SHARE, MeasuredPlan
-from .saved_input_room import pinned_block_bytes
+from .saved_input_room import as_pinned_blocks
 
 
 class FirstPassSizer:
@@ -89,8 +89,8 @@ class FirstPassSizer:
             return 1, self.partition, 0, 0.0
         input_bytes = rows * seq_len * hidden * self.element_size
         if not self.saved_on_host:
-            block = -(-rows // min(default_count, rows)) * seq_len * hidden * self.element_size
-            input_bytes = input_bytes * pinned_block_bytes(block) // block
+            input_bytes = as_pinned_blocks(input_bytes, [-(-rows // min(default_count, rows)) * seq_len * hidden *
+                                                         self.element_size])
         kept = 0 if self.saved_on_host else self.plan.keep_limit_bytes
         # A share of what is available, and never what the store still allocates after it
         host = self.host_bytes()

@@ -49,6 +49,13 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+def as_pinned_blocks(nbytes: int, blocks: Sequence[int]) -> int:
+    """`nbytes` of saved inputs made of blocks sized as `blocks` (one saved layer's micro-batches), as torch's
+    caching host allocator holds them: each block rounded up to a power of two."""
+    total = sum(blocks)
+    return round(nbytes * sum(pinned_block_bytes(b) for b in blocks) / total) if total else nbytes
+
+
 class SavedInputRoom:
     """Checks each new pass shape's saved inputs against the host's available memory; `model_config` None (not a
     Hugging Face decoder) checks nothing."""
@@ -85,10 +92,7 @@ class SavedInputRoom:
         """`host_bytes` as the host holds it: on GPUs each block is one of torch's page-locked blocks, rounded up to
         a power of two; CPU workers keep them as ordinary tensors at their size."""
         need = self.host_bytes(mb_rows, seq_len, saved_layers, keep_limit_bytes)
-        if self.on_host or not need:
-            return need
-        blocks = self.block_bytes(mb_rows, seq_len)
-        return round(need * sum(pinned_block_bytes(b) for b in blocks) / sum(blocks))
+        return need if self.on_host else as_pinned_blocks(need, self.block_bytes(mb_rows, seq_len))
 
     def summary_line(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int,
                      recompute: str, free: int) -> str:
