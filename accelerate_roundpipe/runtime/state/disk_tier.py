@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..devices.pinned import HostMemory
 from ..disk import BucketLayout, DiskBandwidth, DiskStaging, MappedFlat, TensorSpec, open_swap, probe_bandwidth
 from .tiers import Bucket, StateTier, stand_in
 
@@ -181,19 +182,19 @@ class DiskTier(StateTier):
 
     @classmethod
     def open(cls, buckets: list[Bucket], names: tuple[str, ...], offload_dir: str, timeout_s: float,
-             slots: int = SLOTS, memory: Any = None) -> DiskTier:
+             memory: HostMemory, slots: int = SLOTS) -> DiskTier:
         """Check `offload_dir`, remove dead runs' leftovers, make this run's swap files for `buckets`, measure the
         disk, and write their optimizer copies there (zero state) ([Note: disk tier]); the buckets are not moved.
 
         `memory`: the store's `HostMemory`, which allocates the staging slots at their exact size, page-locked with
-        a GPU, and unlocks them with the store's buffers at `close()` ([Note: exact-size pinned memory]). Without it
-        the slots come from torch's page-locked allocator, which rounds them up to a power of two: Llama-3.1-8B's
-        7.31 GiB of slots took 8 GiB, outside what the start summary counted."""
+        a GPU, and unlocks them with the store's buffers at `close()` ([Note: exact-size pinned memory]). Torch's
+        page-locked allocator (the staging's own default) rounds them up to a power of two: Llama-3.1-8B's 7.31 GiB
+        of slots took 8 GiB, outside what the start summary counted."""
         layouts = {b.index: layout_of(b, names) for b in buckets}
         tier_ref: list[DiskTier] = []
-        exact = {} if memory is None else {"allocate": lambda nbytes: memory.empty(nbytes, torch.uint8)}
         staging = open_swap(offload_dir, layouts, min(slots, len(buckets)), timeout_s=timeout_s,
-                            span=lambda kind, path, start, n: tier_ref[0].io_span(kind, path, start, n), **exact)
+                            span=lambda kind, path, start, n: tier_ref[0].io_span(kind, path, start, n),
+                            allocate=lambda nbytes: memory.empty(nbytes, torch.uint8))
         try:
             # The probe first: after the images' writes the kernel is still flushing them (tens of GiB through the
             # page cache), and a probe then measured that flush's leftovers (0.38 against 1.35 GB/s on the H100
