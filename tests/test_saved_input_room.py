@@ -121,6 +121,9 @@ def test_the_first_pass_and_each_larger_shape_print_their_saved_inputs_beside_th
         engine.forward_backward(input_ids=longer[:, :36], labels=longer[:, :36])  # 1.125x the first: not yet
         engine.forward_backward(input_ids=longer, labels=longer)  # 1.25x the first: said again
         err = capsys.readouterr().err
+        snapshot = engine.snapshot()  # what telemetry and the benchmark records read
+        assert snapshot.saved_input_lines == tuple(engine._launch.saved_room.lines)
+        assert snapshot.saved_input_host_bytes == 2 * saved * 4 * 40 * HIDDEN * 4  # the 40-token shape's
     finally:
         engine.close()
     lines = [line for line in err.splitlines() if "saved inputs:" in line]

@@ -74,3 +74,7 @@ class EngineSnapshot:
     store: StoreView
     notes: tuple[tuple[str, str], ...] = ()  # (name, text) lines the integrations add (e.g. "clipping")
     first_pass: FirstPassSizing | None = None  # the unplanned count's sizing ([Note: first-pass micro-batches])
+    # the `saved inputs:` lines said so far, and the most host bytes (as allocated) of them
+    # ([Note: saved inputs in the start summary])
+    saved_input_lines: tuple[str, ...] = ()
+    saved_input_host_bytes: int = 0

@@ -75,13 +75,12 @@ def placement_of(engine) -> dict | None:
     return out
 
 
-def saved_inputs_of(engine) -> dict | None:
-    """What the engine said of the layer inputs its passes keep for recomputation: the lines (each with the
-    process's resident memory then) and the most host GiB of them ([Note: saved inputs in the start summary])."""
-    room = getattr(getattr(engine, "_launch", None), "saved_room", None)
-    if room is None:
-        return None
-    return {"lines": list(room.lines), "most_host_gib": round(room.most_host_bytes / 2**30, 3)}
+def saved_inputs_of(engine) -> dict:
+    """What the engine said of the layer inputs its passes keep for recomputation, from its snapshot: the lines
+    (each with the process's resident memory then) and the most host bytes of them
+    ([Note: saved inputs in the start summary])."""
+    snapshot = engine.snapshot()
+    return {"lines": list(snapshot.saved_input_lines), "most_host_bytes": snapshot.saved_input_host_bytes}
 
 
 def disk_bandwidth_of(bandwidth) -> dict:

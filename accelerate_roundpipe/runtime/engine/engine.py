@@ -461,7 +461,7 @@ class RoundPipe(HostResidentModule):
         """How the engine runs now, as frozen plain data: what telemetry reads (the start summary)."""
         return engine_snapshot(self.config, self.devices, len(self.layers), self.partition, self.optimizer,
                                self._placement, self.data_parallel, self._store, self.summary_notes,
-                               self._microbatches.sizing)
+                               self._microbatches.sizing, self._launch.saved_room)
 
     def _split(self, inputs: tuple, strict: bool = True) -> tuple[int, int, list[tuple]]:
         """The pass's micro-batches, and the partition an unplanned pass of their shape runs

@@ -21,6 +21,7 @@ from ...telemetry.engine_view import (
 from ..devices.device import Device
 from ..disk import resident_memory_bytes
 from ..distribution.gloo_exchange import DataParallelGroup
+from ..execution.saved_input_room import SavedInputRoom
 from ..optimizer.optimizer import RoundPipeOptimizer
 from ..state.host_store import HostStore
 from ..state.placement import OptimizerPlacement
@@ -50,7 +51,7 @@ def _optimizer(optimizer: RoundPipeOptimizer | None) -> OptimizerView | None:
 def engine_snapshot(config: RoundPipeConfig, devices: Sequence[Device], layers: int, partition: Partition,
                     optimizer: RoundPipeOptimizer | None, placement: OptimizerPlacement | None,
                     group: DataParallelGroup | None, store: HostStore, notes: Mapping[str, str],
-                    sizing: FirstPassSizing | None = None) -> EngineSnapshot:
+                    sizing: FirstPassSizing | None = None, saved_room: SavedInputRoom | None = None) -> EngineSnapshot:
     """The snapshot of an engine built of these parts, as they are now."""
     return EngineSnapshot(
         devices=tuple(DeviceView(str(d.device), d.is_cuda, d.tracks_memory) for d in devices),
@@ -68,4 +69,6 @@ def engine_snapshot(config: RoundPipeConfig, devices: Sequence[Device], layers: 
         data_parallel=None if group is None else DataParallelView(group.rank, group.world_size),
         store=_store(store),
         notes=tuple(notes.items()),
-        first_pass=sizing)
+        first_pass=sizing,
+        saved_input_lines=tuple(saved_room.lines) if saved_room is not None else (),
+        saved_input_host_bytes=saved_room.most_host_bytes if saved_room is not None else 0)
