@@ -6,7 +6,8 @@
 #
 # Workloads: gpu-tests, host-roofline, qwen3-1.7b, cap24, lora-8b, lora-8b-cap24, long, long-256k, placement,
 # placement-small, placement-cap24, small-gap, step-profile, kernels-choice, kernels-1.7b,
-# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples, moe-experts, moe-profile,
+# small-check, small-alone, placement-small-alone, trainer-1.7b, eval-startup, eval-profiles, start-up-samples,
+# steady-samples, moe-experts, moe-profile,
 # moe-cap24, moe-cap24-b32, moe-cap24-merged, moe-cap24-host, gpt-oss-cap24, dense-32b-cap24, dense-32b-cap24-ab,
 # moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
@@ -26,7 +27,7 @@ LOG=$OUT/bench.log
 : >>"$LOG"
 WORKLOADS="gpu-tests host-roofline qwen3-1.7b cap24 lora-8b lora-8b-cap24 long long-256k"
 WORKLOADS+=" placement placement-small placement-cap24 small-gap step-profile kernels-choice kernels-1.7b small-check small-alone placement-small-alone trainer-1.7b"
-WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples"
+WORKLOADS+=" eval-startup eval-profiles eval-kernels start-up-samples steady-samples"
 WORKLOADS+=" moe-experts moe-profile"
 WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap24 gpt-oss-cap24-nms8 dense-32b-cap24"
 WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
@@ -240,6 +241,10 @@ run_ours() {
   moe-experts)  # issue 32 item 2: Qwen3-30B-A3B's layer shapes, 4 layers, bf16: plain HF with each experts
     # implementation, plain PEFT LoRA in GPU memory, the engine's LoRA with each (benchmarks/moe_experts.py)
     step 170 python3 benchmarks/moe_experts.py --out "$OUT/ours.jsonl" ;;
+  steady-samples)  # after eval-startup (its warm-up): where the wall time of steady steps goes (steps 60-160 of 160),
+    # each thread's Python stack sampled every 2 ms at full speed, the plain Trainer and RoundPipeTrainer at its defaults
+    step 90 python3 benchmarks/step_profile.py --preset gpu --steps 160 --window 60:160 --phase steps --systems hf \
+      --variant defaults: --sampler 2 --out "$OUT/samples" ;;
   moe-profile)  # issue 32: where an MoE step's GPU time goes, by kind of kernel (benchmarks/moe_layer_profile.py):
     # the 4-layer Qwen3-30B-A3B-shaped model at one micro-batch of the b32 run (4 x 4096), plain HF, PEFT in GPU
     # memory, the engine's LoRA
