@@ -35,19 +35,29 @@ class PeakMeter:
         return {"gpu_peak_gib": None if gpu is None else round(gpu, 2), "host_peak_gib": host_peak_gib()}
 
 
+def _cuda_index(device) -> int:
+    """The index of `device` as `torch.cuda.mem_get_info` takes it (None: the current device)."""
+    if isinstance(device, int):
+        return device
+    index = None if device is None else torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def memory_cap(cap_gib: float) -> None:
-    """Emulate a smaller card as the anchors do: the caching allocator capped, and `mem_get_info` reporting the cap
-    (the reference RoundPipe sizes itself from it)."""
+    """Emulate a smaller card as the anchors do, on every visible GPU (a run on several GPUs emulates several such
+    cards): the caching allocator capped, and `mem_get_info` reporting the cap (the reference RoundPipe sizes itself
+    from it)."""
     if not cap_gib or not torch.cuda.is_available():
         return
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, 0)
+    for index in range(torch.cuda.device_count()):
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), index)
     original = torch.cuda.mem_get_info
 
     def capped(device=None):
         free, _ = original(device)
         cap = int(cap_gib * 2**30)
-        return max(0, min(free, cap - torch.cuda.memory_reserved(0))), cap
+        return max(0, min(free, cap - torch.cuda.memory_reserved(_cuda_index(device)))), cap
 
     torch.cuda.mem_get_info = capped
 

@@ -12,7 +12,7 @@
 # moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
-# look-ahead.
+# look-ahead; on a machine with two GPUs (kind nvidia-h100-x2): two-gpus, two-gpus-lora, two-gpus-moe.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -33,7 +33,7 @@ WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap
 WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
 WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-pieces disk-cap24-b64-pieces-ab disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
-WORKLOADS+=" look-ahead"
+WORKLOADS+=" look-ahead two-gpus two-gpus-lora two-gpus-moe"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -245,6 +245,17 @@ run_ours() {
     # each thread's Python stack sampled every 2 ms at full speed, the plain Trainer and RoundPipeTrainer at its defaults
     step 90 python3 benchmarks/step_profile.py --preset gpu --steps 160 --window 60:160 --phase steps --systems hf \
       --variant defaults: --sampler 2 --out "$OUT/samples" ;;
+  two-gpus)  # one process, two GPUs as RoundPipe's worker pool (the paper's setting; kind nvidia-h100-x2): the
+    # multi-GPU tests, then Qwen3-4B full fine-tune b8 with every GPU capped at 24 GiB, on one GPU and on two
+    step 200 python3 -m pytest -m gpu -q -rfExX -p no:cacheprovider tests/test_multi_gpu.py \
+      integration_tests/test_gpu_two_gpus.py
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --devices cuda:0
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --devices cuda:0,cuda:1 ;;
+  two-gpus-lora)  # Llama-3.1-8B LoRA r16 b8, every GPU capped at 24 GiB, on one GPU and on two
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --devices cuda:0
+    ours 200 llama3.1-8b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 3 --devices cuda:0,cuda:1 ;;
+  two-gpus-moe)  # Qwen3-30B-A3B LoRA r16 (experts included) b8, every GPU capped at 24 GiB, on two GPUs
+    ours 240 qwen3-30b-a3b-lora-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --devices cuda:0,cuda:1 ;;
   moe-profile)  # issue 32: where an MoE step's GPU time goes, by kind of kernel (benchmarks/moe_layer_profile.py):
     # the 4-layer Qwen3-30B-A3B-shaped model at one micro-batch of the b32 run (4 x 4096), plain HF, PEFT in GPU
     # memory, the engine's LoRA
@@ -460,6 +471,15 @@ run_anchors() {
   gpt-oss-cap24)
     reference 240 --model gpt-oss-20b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 2 --iters 3 \
       --section gpt-oss-cap24-reference ;;
+  two-gpus)  # the reference on the same settings on both GPUs (it takes every visible GPU; its cap is GPU 0's, and
+    # every GPU's free memory reads as the cap)
+    reference 120 --model qwen3-4b --seqs 4096 --gb 8 --nms 4 --iters 4 --cap 24 --section two-gpus-reference ;;
+  two-gpus-lora)
+    reference 150 --model llama3.1-8b --lora --seqs 4096 --gb 8 --nms 4 --iters 3 --cap 24 \
+      --section two-gpus-lora-reference ;;
+  two-gpus-moe)
+    reference 240 --model qwen3-30b-a3b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 2 --iters 4 \
+      --section two-gpus-moe-reference ;;
   dense-32b-cap24)
     reference 240 --model qwen3-32b --lora --cap 24 --seqs 4096 --gb 8 --nms 4 --warm 2 --iters 3 \
       --section dense-32b-cap24-reference ;;
