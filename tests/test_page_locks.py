@@ -88,3 +88,24 @@ def test_buffers_given_back_are_unlocked_and_the_others_stay_locked():
     assert memory.locked_bytes == sum(b.numel() * b.element_size() for b in (buffers[0], buffers[2]))
     memory.release()
     assert not locks.locked
+
+
+def test_the_unsafe_page_locked_cache_setting_is_named_and_the_safe_ones_pass():
+    """[Note: unrounded page-locked blocks]: `pinned_max_round_threshold_mb` without `pinned_max_cached_size_mb` at or
+    below it lets torch's page-locked cache hand a copy a smaller block; the start warns, naming what to change."""
+    from accelerate_roundpipe.runtime.devices.pinned import unrounded_pinned_cache_hazard
+
+    assert unrounded_pinned_cache_hazard({}) is None
+    assert unrounded_pinned_cache_hazard({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}) is None
+    unsafe = unrounded_pinned_cache_hazard({"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:40"})
+    assert unsafe is not None and "pytorch/pytorch#192722" in unsafe
+    assert "add pinned_max_cached_size_mb:40" in unsafe and "Remove pinned_max_round_threshold_mb" in unsafe
+    assert unrounded_pinned_cache_hazard(
+        {"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:128"}) is not None
+    assert unrounded_pinned_cache_hazard(
+        {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64, pinned_max_cached_size_mb:64"}) is None
+    # torch reads PYTORCH_ALLOC_CONF when it is set, the older name only otherwise
+    assert unrounded_pinned_cache_hazard({"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_cached_size_mb:8",
+                                          "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}) is not None
+    assert unrounded_pinned_cache_hazard({"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_round_threshold_mb:64",
+                                          "PYTORCH_ALLOC_CONF": "expandable_segments:True"}) is None

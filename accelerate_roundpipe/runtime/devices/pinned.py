@@ -21,6 +21,7 @@ be freed. The tensors stay valid as ordinary memory (your module's parameters st
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 
@@ -128,6 +129,39 @@ class HostMemory:
     def release(self) -> None:
         """Unlock everything (waits for the devices first: a copy may still be reading or writing)."""
         self._locked.unlock_all()
+
+
+def unrounded_pinned_cache_hazard(environ=None) -> str | None:
+    """[Note: unrounded page-locked blocks]
+    torch's caching host allocator rounds each page-locked block up to a power of two and keeps freed blocks in one
+    free list per power of two, handing out the last one of the request's list without comparing sizes. With
+    `pinned_max_round_threshold_mb:N` in `PYTORCH_ALLOC_CONF` (or `PYTORCH_CUDA_ALLOC_CONF`) and no
+    `pinned_max_cached_size_mb` at or below N, blocks above N MiB are neither rounded nor freed, so one list holds
+    blocks of several sizes and a request can get a smaller block than it asked for: a copy into it writes past its
+    end (pytorch/pytorch#192722; the torch 2.13 headers still take the block unchecked). RoundPipe's saved layer
+    inputs and activations cross to the host through that allocator in several sizes (micro-batches of uneven rows,
+    sequences padded per batch). The engine does not change the user's allocator settings; it says this at the start,
+    naming what to change. Returns the warning, or None when the settings are safe."""
+    environ = os.environ if environ is None else environ
+    settings: dict[str, str] = {}
+    text = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""  # torch reads one
+    for item in text.split(","):
+        key, _, value = item.partition(":")
+        if key.strip():
+            settings[key.strip()] = value.strip()
+    threshold, cached = settings.get("pinned_max_round_threshold_mb"), settings.get("pinned_max_cached_size_mb")
+    if threshold is None:
+        return None
+    try:
+        if cached is not None and float(cached) <= float(threshold):
+            return None
+    except ValueError:
+        pass
+    return (f"the allocator settings set pinned_max_round_threshold_mb:{threshold} without pinned_max_cached_size_mb "
+            f"at or below it: torch's page-locked cache can then hand a copy a block smaller than the copy "
+            f"(pytorch/pytorch#192722), and RoundPipe sends layer inputs of several sizes through it. Remove "
+            f"pinned_max_round_threshold_mb from PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, or add "
+            f"pinned_max_cached_size_mb:{threshold} (blocks above it are then freed, not cached).")
 
 
 def release_cached_pinned_memory(accelerator=None, private=None) -> bool:

@@ -20,6 +20,7 @@ from ...telemetry.trace import TraceRecorder
 from ..common.sync import FailureFlag
 from ..devices.device import Device, use_expandable_segments
 from ..devices.factory import make_device
+from ..devices.pinned import unrounded_pinned_cache_hazard
 from ..distribution.gloo_exchange import DataParallelGroup
 from ..distribution.gradient_exchange import NoExchange, gradient_exchange
 from ..execution.adapter_switches import AdapterSwitches
@@ -89,6 +90,9 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     if uses_cuda and use_expandable_segments():
         logger.info("RoundPipe turned on the CUDA allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF "
                     "to choose the allocator settings yourself).")
+    hazard = unrounded_pinned_cache_hazard() if uses_cuda else None
+    if hazard is not None:  # [Note: unrounded page-locked blocks]
+        logger.warning("RoundPipe: %s", hazard)
     pin = config.pin_memory if config.pin_memory is not None else uses_cuda
     if pin and not torch.cuda.is_available():
         raise ValueError("pin_memory (env ROUNDPIPE_PIN_MEMORY) is true, but page-locking host memory needs CUDA "

@@ -22,9 +22,9 @@ before: a Trainer padding each batch to its longest row has a new shape nearly e
 longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host
 with `tensor.to("cpu", non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block
 up to a power of two (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4
-rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates and, where the
-rounding costs more than `ROUNDING_NOTE_SHARE` of the inputs, names the setting that stops it (`PYTORCH_ALLOC_CONF`:
-the process's allocator is the user's to configure, not the engine's).
+rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates. It named
+`pinned_max_round_threshold_mb` as the setting that stops the rounding until that setting, alone, was found unsafe
+([Note: unrounded page-locked blocks] in runtime/devices/pinned.py): it no longer suggests it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from ..disk import available_memory_bytes, resident_memory_bytes
 
 logger = logging.getLogger(__name__)
 
-ROUNDING_NOTE_SHARE = 0.05  # name the allocator setting when rounding adds more than this share of the inputs
 RESAY_GROWTH = 1.25  # a later shape's line is said when it keeps this many times the most said before
 
 
@@ -111,11 +110,7 @@ class SavedInputRoom:
             line += f"at least {format_bytes(need)} of them in host memory"
             if allocated > need:
                 rounded = " or ".join(format_bytes(pinned_block_bytes(b)) for b in sizes)
-                line += f" ({format_bytes(allocated)} as torch's page-locked cache allocates them: {rounded} a block"
-                if allocated - need > ROUNDING_NOTE_SHARE * need:
-                    line += (f"; PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:{max(1, sizes[0] // 2**20 // 2)} "
-                             f"allocates them at their size where this torch has that setting")
-                line += ")"
+                line += f" ({format_bytes(allocated)} as torch's page-locked cache allocates them: {rounded} a block)"
             line += ", outside host_memory_budget"
         resident = self.resident()
         line += (f"; this process is resident at {format_bytes(resident)}" if resident is not None else "") + \
