@@ -213,6 +213,9 @@ VARIANT_SWITCHES = (
                   "each disk bucket's swap file in one piece, as before [Note: swap files in pieces]"),
     VariantSwitch("four-io-threads", "accelerate_roundpipe.runtime.disk.io_threads", "IO_THREADS", 4,
                   "the disk tier's 4 I/O threads of before [Note: swap files in pieces]"),
+    VariantSwitch("torch-pinned-saved-inputs", "accelerate_roundpipe.runtime.state.saved_input_buffers", "POOLED",
+                  False, "saved layer inputs in torch's caching host allocator (power-of-two blocks), as before "
+                  "[Note: saved inputs in pooled blocks]"),
     # every layer input fits the host's share: one-layer stages
     VariantSwitch("one-layer-first-pass", "accelerate_roundpipe.runtime.execution.first_pass", "SAVED_HOST_SHARE",
                   math.inf, "the unplanned first pass with one-layer backward stages whatever its saved inputs take "

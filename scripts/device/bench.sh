@@ -12,7 +12,7 @@
 # moe-cap24-idle-ab, cap24-limits-ab, moe-cap24-limits-ab, call-memory, swap-rate, disk-cap24,
 # disk-cap24-b64, disk-cap24-b64-short, disk-cap24-b64-pieces, disk-cap24-b64-pieces-ab, disk-cap24-b64-lagged, disk-cap24-b64-small-host, disk-cap24-host, disk-8b, disk-8b-cap24, disk-8b-cap24-b64 (the disk tier: swap files under ROUNDPIPE_OFFLOAD_DIR, default ~/.cache/roundpipe/offload),
 # dense-cap24-profile, dense-layer-profile, lora-adds, lora-adds-32b, upload-chunks, buffer-reuse (buffer-reuse-moe, buffer-reuse-4b),
-# look-ahead; on a machine with two GPUs (kind nvidia-h100-x2): two-gpus, two-gpus-lora, two-gpus-moe.
+# look-ahead, saved-input-blocks; on a machine with two GPUs (kind nvidia-h100-x2): two-gpus, two-gpus-lora, two-gpus-moe.
 # `anchors` adds, for every other workload named, the reference RoundPipe and/or
 # HF + Liger in-GPU training on its settings, in the same call (from .anchors/).
 # Our records go to $OUT/ours.jsonl, the anchors' to $OUT/results.jsonl, the convergence preset's to
@@ -33,7 +33,7 @@ WORKLOADS+=" moe-cap24 moe-cap24-b32 moe-cap24-merged moe-cap24-host gpt-oss-cap
 WORKLOADS+=" dense-32b-cap24-ab moe-cap24-idle-ab cap24-limits-ab moe-cap24-limits-ab call-memory swap-rate"
 WORKLOADS+=" disk-cap24 disk-cap24-b64 disk-cap24-b64-short disk-cap24-b64-pieces disk-cap24-b64-pieces-ab disk-cap24-b64-lagged disk-cap24-b64-small-host disk-cap24-host disk-8b disk-8b-cap24 disk-8b-cap24-b64"
 WORKLOADS+=" dense-cap24-profile dense-layer-profile lora-adds lora-adds-32b upload-chunks buffer-reuse buffer-reuse-moe buffer-reuse-4b"
-WORKLOADS+=" look-ahead two-gpus two-gpus-lora two-gpus-moe"
+WORKLOADS+=" look-ahead saved-input-blocks two-gpus two-gpus-lora two-gpus-moe"
 CALL_S=${BENCH_CALL_S:-585}
 
 usage() { echo "usage: bench.sh WORKLOAD... [anchors]; workloads: $WORKLOADS" >&2; exit 2; }
@@ -245,6 +245,10 @@ run_ours() {
     # each thread's Python stack sampled every 2 ms at full speed, the plain Trainer and RoundPipeTrainer at its defaults
     step 90 python3 benchmarks/step_profile.py --preset gpu --steps 160 --window 60:160 --phase steps --systems hf \
       --variant defaults: --sampler 2 --out "$OUT/samples" ;;
+  saved-input-blocks)  # [Note: saved inputs in pooled blocks] against torch's page-locked cache, each in its own
+    # process: Qwen3-4B full fine-tune b8 under the cap (80 MiB inputs: 128 MiB blocks in torch's cache), host peaks
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --torch-pinned-saved-inputs ;;
   two-gpus)  # one process, two GPUs as RoundPipe's worker pool (the paper's setting; kind nvidia-h100-x2): the
     # multi-GPU tests, then Qwen3-4B full fine-tune b8 with every GPU capped at 24 GiB, on one GPU and on two
     step 200 python3 -m pytest -m gpu -q -rfExX -p no:cacheprovider tests/test_multi_gpu.py \

@@ -351,6 +351,8 @@ class Device(abc.ABC):
         event, payload.event = payload.event, None
         out, events = self._upload(payload.tensors, self.act_in, after_event=event, track="activation upload")
         self._use(out, events[-1] if events else None)
+        if payload.lease is not None and events:  # its blocks are reused once this upload has read them
+            payload.lease.touched_by(events[-1])
         return tuple(out)
 
     # -------------------------------------------------------------- device -> host
@@ -370,13 +372,42 @@ class Device(abc.ABC):
             finish()
             return tuple(out), stream.record_event()
 
-    def send(self, tensors: tuple, keep_on_device: bool) -> Payload:
-        """Hand tensors to the next task: kept on this device for the same worker, else copied to the host."""
+    def send(self, tensors: tuple, keep_on_device: bool, buffers=None) -> Payload:
+        """Hand tensors to the next task: kept on this device for the same worker, else copied to the host; into
+        blocks of `buffers` (a `SavedInputBuffers`) when given: a payload that one `receive` reads back and that
+        nothing else keeps ([Note: saved inputs in pooled blocks])."""
         if keep_on_device:
             return Payload(tuple(None if t is None else t.detach() for t in tensors), None, self.index)
         faults.point("transfer.download")
+        if buffers is not None:
+            return self._download_pooled(tensors, buffers)
         host, event = self._download(tensors, self.act_out, track="activation download")
         return Payload(host, event)
+
+    def _pooled_target(self, buffers, like: torch.Tensor, lease) -> torch.Tensor:
+        """Page-locked host memory for a copy of `like` from `buffers`."""
+        return buffers.host_copy_target(like, lease)
+
+    def _download_pooled(self, tensors, buffers) -> Payload:
+        stream = self.act_out
+        stream.wait_stream(self.compute_stream)
+        lease = buffers.lease()
+        with self._on_stream(stream):
+            begin, finish = self._traced(stream, "activation download", tensors)
+            begin()
+            out = []
+            for t in tensors:
+                if t is None:
+                    out.append(None)
+                    continue
+                target = self._pooled_target(buffers, t, lease)
+                self._copy_to_host(target, t.detach())
+                self._hold(t, stream)
+                out.append(target)
+            finish()
+            event = stream.record_event()
+        lease.touched_by(event)  # until an upload reads them, the blocks wait for this download
+        return Payload(tuple(out), event, lease=lease)
 
     def download_grads_into(self, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Payload:
         """Copy each flat device gradient into the host buffer `outs[i]` (or, for a bucket kept on a device, the device

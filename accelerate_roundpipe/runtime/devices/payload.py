@@ -17,12 +17,14 @@ class Payload:
     """Tensors one task hands to another: on the host (readable once `event` completed), or still on the device of
     worker `worker_index` when the consumer is that same worker (same stream: no copy, no wait)."""
 
-    __slots__ = ("tensors", "event", "worker_index")
+    __slots__ = ("tensors", "event", "worker_index", "lease")
 
-    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None) -> None:
+    def __init__(self, tensors: tuple, event=None, worker_index: int | None = None, lease=None) -> None:
         self.tensors = tensors
         self.event = event
         self.worker_index = worker_index
+        # Host tensors in pooled blocks: told the upload that reads them back ([Note: saved inputs in pooled blocks])
+        self.lease = lease
 
     def host(self) -> tuple:
         """The tensors, once readable by the CPU."""

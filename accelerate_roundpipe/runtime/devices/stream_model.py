@@ -271,6 +271,11 @@ class StreamModelDevice(CpuDevice):
         self._page_locked.add(_storage(out))
         return out
 
+    def _pooled_target(self, buffers, like: torch.Tensor, lease) -> torch.Tensor:
+        out = super()._pooled_target(buffers, like, lease)
+        self._page_locked.add(_storage(out))  # the store's blocks, page-locked on GPUs
+        return out
+
     def _hold(self, tensor: torch.Tensor, stream: ModelStream) -> None:
         stream.device.log.append((stream.name, "hold"))
 

@@ -143,8 +143,10 @@ def build_engine_parts(module: nn.Module, pipeline: nn.Sequential, config: Round
     adapters = AdapterSwitches(list(pipeline), is_trainable)  # [Note: adapter switches]
     buffers = LayerBuffers(list(pipeline))  # [Note: layer buffers followed]
     # [Note: saved inputs in host memory]: a pass's saved inputs against the host's available memory
+    pool = store.saved_input_buffers  # [Note: saved inputs in pooled blocks]
     saved_room = SavedInputRoom(getattr(module, "config", None), sizer.element_size,
-                                on_host=not any(d.is_cuda for d in devices), summary=config.resolved_summary)
+                                on_host=not any(d.is_cuda for d in devices), summary=config.resolved_summary,
+                                block_of=pool.block_size if pool is not None else None)
     launch = PassLauncher(config, store, failure, partition, plan, dispatch, deferred, threads, adapters, passes,
                           buffers, saved_room)
     return EngineParts(devices, exchange, store, failure, passes, trace, plan, microbatches, dispatch, deferred,

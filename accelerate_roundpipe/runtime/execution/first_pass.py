@@ -27,7 +27,7 @@ from ...plan.shape_costs import shape_from_config
 from ..disk import available_memory_bytes
 from ..state.host_store import HostStore
 from .measured_plan import MICROBATCH_CHOICES, PLAN_SHARE, MeasuredPlan
-from .saved_input_room import as_pinned_blocks
+from .saved_input_room import as_pinned_blocks, pinned_block_bytes
 
 
 class FirstPassSizer:
@@ -40,6 +40,8 @@ class FirstPassSizer:
         workers), else what the device may not keep."""
         self.model_config, self.store, self.plan, self.partition = model_config, store, plan, partition
         self.regroup, self.saved_on_host = regroup, saved_on_host
+        pool = store.saved_input_buffers  # where saved inputs land on GPUs ([Note: saved inputs in pooled blocks])
+        self.block_of = pool.block_size if pool is not None else pinned_block_bytes
         self.stage_bytes = self._stage_bytes(partition)
         self.element_size = max((b.compute.element_size() for b in store.buckets if b.compute.is_floating_point()),
                                 default=4)
@@ -77,9 +79,9 @@ class FirstPassSizer:
                       default_count: int) -> tuple[int, Partition, int, float]:
         """The backward stages' layers for a batch, and the partition they make: the fewest whose saved inputs fit
         the host's share, never more than one row can fit ([Note: first-pass backward stages]). On GPUs a saved
-        input is counted as torch's page-locked cache allocates it, a power of two a micro-batch
-        ([Note: saved inputs in the start summary]), at the default count (halving a micro-batch keeps the
-        ratio)."""
+        input is counted as its page-locked block holds it, a block a micro-batch, at the default count (halving a
+        micro-batch keeps the ratio): the store's pooled blocks ([Note: saved inputs in pooled blocks]), or
+        torch's power-of-two blocks where the pool is off ([Note: saved inputs in the start summary])."""
         if not self.regroup or self.partition.num_layers < 3:
             return 1, self.partition, 0, 0.0
         num_layers = self.partition.num_layers
@@ -90,7 +92,7 @@ class FirstPassSizer:
         input_bytes = rows * seq_len * hidden * self.element_size
         if not self.saved_on_host:
             input_bytes = as_pinned_blocks(input_bytes, [-(-rows // min(default_count, rows)) * seq_len * hidden *
-                                                         self.element_size])
+                                                         self.element_size], self.block_of)
         kept = 0 if self.saved_on_host else self.plan.keep_limit_bytes
         # A share of what is available, and never what the store still allocates after it
         host = self.host_bytes()

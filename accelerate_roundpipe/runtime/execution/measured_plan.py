@@ -161,6 +161,8 @@ class MeasuredPlan:
         planned, chosen = self.transfer_plan.planned, self.transfer_plan.num_microbatches
         if planned.partition != current or chosen != num_mb:  # other saved inputs from now on
             release_cached_pinned_memory()  # [Note: the measured pass's pinned blocks released]
+            if self.store.saved_input_buffers is not None:  # and ours ([Note: saved inputs in pooled blocks])
+                self.store.saved_input_buffers.release_idle()
         announce(replanned_line(planned.partition) + "\n" + transfers_line(self.transfer_plan),
                  self.config.resolved_summary)
         if chosen != num_mb:

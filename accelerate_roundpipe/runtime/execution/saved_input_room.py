@@ -19,10 +19,11 @@ counted for the store, and nothing said where the rest was). So the first pass a
 line, with the summary: how many inputs, their size, the least of them in host memory, the process's resident
 memory and what is available. Later shapes print it again only when they keep `RESAY_GROWTH` times the most said
 before: a Trainer padding each batch to its longest row has a new shape nearly every step, and a line for each new
-longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host
+longest batch would break into the progress bar for a few rows more. On GPUs a saved input was copied to the host
 with `tensor.to("cpu", non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block
 up to a power of two (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4
-rows take 128 MiB each, Qwen3-32B's 160 MiB take 256. The line counts what the cache allocates. It named
+rows took 128 MiB each, Qwen3-32B's 160 MiB took 256. They now land in the store's pooled blocks, at most an eighth
+larger than an input ([Note: saved inputs in pooled blocks]); the line counts what the blocks hold. It named
 `pinned_max_round_threshold_mb` as the setting that stops the rounding until that setting, alone, was found unsafe
 ([Note: unrounded page-locked blocks] in runtime/devices/pinned.py): it no longer suggests it.
 """
@@ -48,11 +49,13 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def as_pinned_blocks(nbytes: int, blocks: Sequence[int]) -> int:
-    """`nbytes` of saved inputs made of blocks sized as `blocks` (one saved layer's micro-batches), as torch's
-    caching host allocator holds them: each block rounded up to a power of two."""
+def as_pinned_blocks(nbytes: int, blocks: Sequence[int],
+                     block_of: Callable[[int], int] = pinned_block_bytes) -> int:
+    """`nbytes` of saved inputs made of blocks sized as `blocks` (one saved layer's micro-batches), as the host
+    holds them: each block as `block_of` rounds it (torch's caching host allocator by default: a power of two; the
+    store's pool: `saved_input_buffers.block_size`)."""
     total = sum(blocks)
-    return round(nbytes * sum(pinned_block_bytes(b) for b in blocks) / total) if total else nbytes
+    return round(nbytes * sum(block_of(b) for b in blocks) / total) if total else nbytes
 
 
 class SavedInputRoom:
@@ -61,13 +64,19 @@ class SavedInputRoom:
 
     def __init__(self, model_config, element_size: int, on_host: bool,
                  available: Callable[[], int] = available_memory_bytes, summary: bool = False,
-                 resident: Callable[[], int | None] = resident_memory_bytes) -> None:
+                 resident: Callable[[], int | None] = resident_memory_bytes,
+                 block_of: Callable[[int], int] | None = None) -> None:
+        """`block_of`: the page-locked block a saved input of so many bytes takes on GPUs (the store's pool's
+        `block_size`); None: torch's caching host allocator's."""
         try:
             self.hidden_size = shape_from_config(model_config).hidden_size if model_config is not None else None
         except ValueError:
             self.hidden_size = None
         self.element_size, self.on_host, self.available = element_size, on_host, available
         self.summary, self.resident = summary, resident
+        self.block_of = block_of or pinned_block_bytes
+        self.held_by = "torch's page-locked cache allocates them" if block_of is None else \
+            "the engine's page-locked blocks hold them"
         self._checked: set[tuple] = set()
         self.warnings: list[str] = []
         self.lines: list[str] = []  # the `saved inputs:` lines said so far ([Note: saved inputs in the start summary])
@@ -88,10 +97,10 @@ class SavedInputRoom:
         return [rows * seq_len * self.hidden_size * self.element_size for rows in mb_rows]
 
     def allocated_bytes(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int) -> int:
-        """`host_bytes` as the host holds it: on GPUs each block is one of torch's page-locked blocks, rounded up to
-        a power of two; CPU workers keep them as ordinary tensors at their size."""
+        """`host_bytes` as the host holds it: on GPUs each block is a page-locked block as `block_of` rounds it;
+        CPU workers keep them as ordinary tensors at their size."""
         need = self.host_bytes(mb_rows, seq_len, saved_layers, keep_limit_bytes)
-        return need if self.on_host else as_pinned_blocks(need, self.block_bytes(mb_rows, seq_len))
+        return need if self.on_host else as_pinned_blocks(need, self.block_bytes(mb_rows, seq_len), self.block_of)
 
     def summary_line(self, mb_rows: Sequence[int], seq_len: int, saved_layers: int, keep_limit_bytes: int,
                      recompute: str, free: int) -> str:
@@ -109,8 +118,8 @@ class SavedInputRoom:
         else:
             line += f"at least {format_bytes(need)} of them in host memory"
             if allocated > need:
-                rounded = " or ".join(format_bytes(pinned_block_bytes(b)) for b in sizes)
-                line += f" ({format_bytes(allocated)} as torch's page-locked cache allocates them: {rounded} a block)"
+                rounded = " or ".join(format_bytes(self.block_of(b)) for b in sizes)
+                line += f" ({format_bytes(allocated)} as {self.held_by}: {rounded} a block)"
             line += ", outside host_memory_budget"
         resident = self.resident()
         line += (f"; this process is resident at {format_bytes(resident)}" if resident is not None else "") + \

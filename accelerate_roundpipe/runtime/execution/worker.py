@@ -103,6 +103,7 @@ class Worker:
         self.recompute = recompute
         self.base_seed = base_seed
         self.residency = ParamResidency(device, store, failure)
+        self.saved_buffers = store.saved_input_buffers  # read back once, by a backward's `receive`
         self.grad_commits = GradCommits(device, store, failure, self.residency, trace)
         self.queue: queue.Queue[TaskJob | None] = queue.Queue()
         self._lookahead: collections.deque[TaskJob | None] = collections.deque()
@@ -263,7 +264,7 @@ class Worker:
         """Keep a layer input for the backward's recomputation: on this device when the backward runs here and
         memory allows, else on the host."""
         keep = layer in job.keep_saved and self.device.can_keep(h, job.plan.keep_limit_bytes)
-        job.results.save_input(layer, mb, self.device.send(h, keep_on_device=keep))
+        job.results.save_input(layer, mb, self.device.send(h, keep_on_device=keep, buffers=self.saved_buffers))
 
     def _forward(self, job: TaskJob) -> bool:
         task, plan = job.task, job.plan

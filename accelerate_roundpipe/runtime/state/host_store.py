@@ -32,9 +32,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..devices.pinned import HostMemory
-from . import host_budget
+from . import host_budget, saved_input_buffers
 from .bucket import Bucket, ParamSlot
 from .grad_buffers import GradBufferPool
+from .saved_input_buffers import SavedInputBuffers
 from .weight_versions import StepCount
 
 __all__ = ["Bucket", "HostStore", "ParamSlot", "StepCount"]
@@ -103,6 +104,8 @@ class HostStore:
         self._compute_locks_settled = not self.defer_compute_locks
         self.memory = HostMemory(pin_memory)  # exact-size page-locked buffers ([Note: exact-size pinned memory])
         self.grad_pool = GradBufferPool(self.memory)  # where gradient downloads land ([Note: gradient swap])
+        # Where saved layer inputs land, None for torch's page-locked cache ([Note: saved inputs in pooled blocks])
+        self.saved_input_buffers = SavedInputBuffers(self.memory) if saved_input_buffers.POOLED else None
         users: dict[int, list[int]] = {}  # id(param) -> layers using it
         params: dict[int, nn.Parameter] = {}
         for layer_index, layer in enumerate(layers):
@@ -329,6 +332,8 @@ class HostStore:
         for bucket in self.buckets:
             bucket.release()
         self.grad_pool.release()
+        if self.saved_input_buffers is not None:
+            self.saved_input_buffers.release()
         self.memory.release()
         self.released = True
 
