@@ -10,7 +10,7 @@ CPU workers. It grows with the batch and is not part of the store that `host_mem
 where the kernel would end the process without a word. So before a pass of a new shape the engine compares the
 least that must go to the host (every saved input less what the device may keep) with the memory available then
 and warns, naming the numbers and what to change, when it does not fit. A warning, not an error: page-locked blocks
-an earlier pass freed stay in torch's host cache, outside the available count, and are reused.
+an earlier pass freed stay in the store's pool (or torch's host cache), outside the available count, and are reused.
 
 [Note: saved inputs in the start summary]
 The store is what `host_memory_budget` bounds; a run's resident peak is that plus the saved inputs, torch's cache
