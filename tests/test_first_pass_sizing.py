@@ -132,7 +132,8 @@ def test_a_shape_is_sized_once_and_the_host_memory_read_once(monkeypatch):
         return next(free)
 
     monkeypatch.setattr(first_pass, "available_memory_bytes", available)
-    store = SimpleNamespace(buckets=[], window_bytes=lambda layers, grads=False: 0)  # no weights to subtract
+    store = SimpleNamespace(buckets=[], window_bytes=lambda layers, grads=False: 0,  # no weights to subtract
+                            saved_input_buffers=None)
     partition = SimpleNamespace(forward=(SimpleNamespace(layers=range(2)),), backward=())
     sizer = first_pass.FirstPassSizer(gpt_oss_config(), store, SimpleNamespace(budget_bytes=None), partition)
     counts = [sizer.size(8, 64, 2).count for _ in range(3)]

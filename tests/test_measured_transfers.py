@@ -48,7 +48,7 @@ def replan(weight_bytes, rows, num_mb, num_devices=2, rate=25e9, **settings) -> 
     of six identical layers, re-planned; `plan.next_partition` is what the next pass runs."""
     config = RoundPipeConfig(devices=["cpu"] * num_devices, plan="measured", gpu_memory_budget=24, **settings)
     gpus = [SimpleNamespace(total_memory_bytes=lambda: 24 * 2**30) for _ in range(num_devices)]
-    plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6))
+    plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6, saved_input_buffers=None))
     plan.measured(InjectedProfile(six_layers(weight_bytes, rows / num_mb), rate), [], num_mb, rows)
     current = Partition(num_layers=6, forward=(Span(0, 5),), backward=(Span(0, 5), Span(5, 6)))
     plan.next_partition = plan.replan(current, failure=None)
@@ -159,7 +159,7 @@ def test_when_the_measured_microbatches_do_not_fit_more_smaller_ones_are_planned
     # (see [Note: more micro-batches when the measured ones do not fit])
     config = RoundPipeConfig(devices=["cpu"], plan="measured", gpu_memory_budget=4)
     gpus = [SimpleNamespace(total_memory_bytes=lambda: 4 * 2**30)]
-    plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6))
+    plan = MeasuredPlan(config, gpus, SimpleNamespace(layers=[object()] * 6, saved_input_buffers=None))
     r = 8
     costs = LayerCosts(forward_s=[1e-3 * r] * 6, backward_s=[2e-3 * r] * 6, param_bytes=[50 * MB] * 6,
                        grad_bytes=[50 * MB] * 6, act_bytes=[400 * MB * r] * 6, input_bytes=[2 * MB * r] * 6)

@@ -272,7 +272,7 @@ class StreamModelDevice(CpuDevice):
         return out
 
     def _pooled_target(self, buffers, like: torch.Tensor, lease) -> torch.Tensor:
-        out = super()._pooled_target(buffers, like, lease)
+        out = self._fresh(super()._pooled_target(buffers, like, lease))  # a pool block: never a weight buffer
         self._page_locked.add(_storage(out))  # the store's blocks, page-locked on GPUs
         return out
 
