@@ -30,6 +30,14 @@ def _data(block_size: int = 32):
     return tokenizer, rows
 
 
+def one_gpu(args):
+    """The stock Trainer's arguments on cuda:0 alone: with several GPUs visible, one process would wrap the model in
+    `nn.DataParallel` and train per_device_train_batch_size rows on each GPU, another batch than RoundPipe's."""
+    _ = args.device  # the Trainer's device set-up runs once and counts the GPUs; one is what it uses from here
+    args._n_gpu = min(args._n_gpu, 1)
+    return args
+
+
 def _losses(trainer) -> list[float]:
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
@@ -43,7 +51,7 @@ def test_trainer_on_a_gpu_worker(tmp_path=None):
     tokenizer, rows = _data()
     common = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=4, learning_rate=3e-3,
                   logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0)
-    reference = Trainer(model=_model(len(tokenizer)), args=TrainingArguments(**common), train_dataset=rows)
+    reference = Trainer(model=_model(len(tokenizer)), args=one_gpu(TrainingArguments(**common)), train_dataset=rows)
     reference.train()
     assert next(reference.model.parameters()).is_cuda
 

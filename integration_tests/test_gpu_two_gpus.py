@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from test_gpu_integrations import GPU_ATOL, STEPS, _data, _losses, _model
+from test_gpu_integrations import GPU_ATOL, STEPS, _data, _losses, _model, one_gpu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -30,7 +30,7 @@ def _trainer_run(devices: str | None, output_dir: str, max_grad_norm: float = 1.
                   max_grad_norm=max_grad_norm)
     model = _model(len(tokenizer))
     if devices is None:
-        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=rows)
+        trainer = Trainer(model=model, args=one_gpu(TrainingArguments(**common)), train_dataset=rows)
     else:
         args = RoundPipeTrainingArguments(**common, roundpipe_devices=devices, roundpipe_num_microbatches=4)
         trainer = RoundPipeTrainer(model=model, args=args, train_dataset=rows)
