@@ -213,8 +213,9 @@ VARIANT_SWITCHES = (
                   "each disk bucket's swap file in one piece, as before [Note: swap files in pieces]"),
     VariantSwitch("four-io-threads", "accelerate_roundpipe.runtime.disk.io_threads", "IO_THREADS", 4,
                   "the disk tier's 4 I/O threads of before [Note: swap files in pieces]"),
-    VariantSwitch("torch-pinned-saved-inputs", "accelerate_roundpipe.runtime.state.saved_input_buffers", "POOLED",
-                  False, "saved layer inputs in torch's caching host allocator (power-of-two blocks), as before "
+    VariantSwitch("pooled-saved-inputs", "accelerate_roundpipe.runtime.state.saved_input_buffers", "POOLED",
+                  True, "saved layer inputs in the store's pooled page-locked blocks (eighth-of-an-octave sizes) "
+                  "instead of torch's caching host allocator (power-of-two blocks) "
                   "[Note: saved inputs in pooled blocks]"),
     # every layer input fits the host's share: one-layer stages
     VariantSwitch("one-layer-first-pass", "accelerate_roundpipe.runtime.execution.first_pass", "SAVED_HOST_SHARE",

@@ -223,7 +223,7 @@ def test_what_the_store_still_allocates_on_the_host(tmp_path):
 
 
 def test_on_gpus_the_saved_inputs_are_counted_as_torchs_page_locked_cache_allocates_them(monkeypatch):
-    """[Note: saved inputs in the start summary]: with the store's pool off, a saved input downloaded from a GPU
+    """[Note: saved inputs in the start summary]: with the store's pool off (the default), a saved input from a GPU
     takes a power-of-two block of torch's page-locked cache, so the first pass's host room is weighed against that
     (here modelled on CPU workers by counting their inputs as a GPU's would be)."""
     from accelerate_roundpipe.runtime.state import saved_input_buffers
@@ -245,8 +245,11 @@ def test_on_gpus_the_saved_inputs_are_counted_as_torchs_page_locked_cache_alloca
 
 
 def test_on_gpus_the_saved_inputs_are_counted_as_the_pools_blocks_hold_them(monkeypatch):
-    """[Note: saved inputs in pooled blocks]: with the store's pool (the default) the same 10 KiB inputs take
-    10 KiB blocks, so the first pass counts them at their size."""
+    """[Note: saved inputs in pooled blocks]: with the store's pool the same 10 KiB inputs take 10 KiB blocks, so
+    the first pass counts them at their size."""
+    from accelerate_roundpipe.runtime.state import saved_input_buffers
+
+    monkeypatch.setattr(saved_input_buffers, "POOLED", True)
     monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
     engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static"))
     try:

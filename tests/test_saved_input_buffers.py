@@ -1,7 +1,8 @@
 """[Note: saved inputs in pooled blocks]: saved layer inputs land in page-locked blocks of the store, in size classes
 of an eighth of an octave; a block given back when its payload is collected is handed out again only once the last
 copy that touched it (its download, then the upload that read it back) has completed; a pass's saved inputs reuse the
-blocks of the pass before; after the measured pass and at close the free blocks go."""
+blocks of the pass before; after the measured pass and at close the free blocks go. The pool is off by default
+(`saved_input_buffers.POOLED`) until measured on a GPU; these tests turn it on."""
 
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ def test_release_idle_lets_go_of_the_free_blocks_and_keeps_those_held():
 
 @pytest.fixture
 def stream_model(monkeypatch):
+    """CPU workers that keep CUDA's stream order, and the pool on (off by default until measured on a GPU)."""
     monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
+    monkeypatch.setattr(saved_input_buffers, "POOLED", True)
 
 
 @pytest.mark.parametrize("recompute", ["stage", "layer"])

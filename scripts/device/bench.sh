@@ -245,10 +245,10 @@ run_ours() {
     # each thread's Python stack sampled every 2 ms at full speed, the plain Trainer and RoundPipeTrainer at its defaults
     step 90 python3 benchmarks/step_profile.py --preset gpu --steps 160 --window 60:160 --phase steps --systems hf \
       --variant defaults: --sampler 2 --out "$OUT/samples" ;;
-  saved-input-blocks)  # [Note: saved inputs in pooled blocks] against torch's page-locked cache, each in its own
-    # process: Qwen3-4B full fine-tune b8 under the cap (80 MiB inputs: 128 MiB blocks in torch's cache), host peaks
+  saved-input-blocks)  # [Note: saved inputs in pooled blocks] beside torch's page-locked cache (the default), each in
+    # its own process: Qwen3-4B full fine-tune b8 under the cap (80 MiB inputs: 128 MiB blocks in torch's cache)
     ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4
-    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --torch-pinned-saved-inputs ;;
+    ours 120 qwen3-4b-full-s4096-b8-cap24 roundpipe-engine --warm 2 --iters 4 --pooled-saved-inputs ;;
   two-gpus)  # one process, two GPUs as RoundPipe's worker pool (the paper's setting; kind nvidia-h100-x2): the
     # multi-GPU tests, then Qwen3-4B full fine-tune b8 with every GPU capped at 24 GiB, on one GPU and on two
     step 200 python3 -m pytest -m gpu -q -rfExX -p no:cacheprovider tests/test_multi_gpu.py \

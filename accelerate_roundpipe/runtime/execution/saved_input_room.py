@@ -19,11 +19,11 @@ counted for the store, and nothing said where the rest was). So the first pass a
 line, with the summary: how many inputs, their size, the least of them in host memory, the process's resident
 memory and what is available. Later shapes print it again only when they keep `RESAY_GROWTH` times the most said
 before: a Trainer padding each batch to its longest row has a new shape nearly every step, and a line for each new
-longest batch would break into the progress bar for a few rows more. On GPUs a saved input was copied to the host
+longest batch would break into the progress bar for a few rows more. On GPUs a saved input is copied to the host
 with `tensor.to("cpu", non_blocking=True)`, into a block of torch's caching host allocator, which rounds each block
 up to a power of two (below `pinned_max_round_threshold_mb`, unlimited by default): Qwen3-4B's 80 MiB inputs of 4
-rows took 128 MiB each, Qwen3-32B's 160 MiB took 256. They now land in the store's pooled blocks, at most an eighth
-larger than an input ([Note: saved inputs in pooled blocks]); the line counts what the blocks hold. It named
+rows take 128 MiB each, Qwen3-32B's 160 MiB take 256; in the store's pooled blocks, where they are on, at most an
+eighth more ([Note: saved inputs in pooled blocks]). The line counts what the blocks hold. It named
 `pinned_max_round_threshold_mb` as the setting that stops the rounding until that setting, alone, was found unsafe
 ([Note: unrounded page-locked blocks] in runtime/devices/pinned.py): it no longer suggests it.
 """

@@ -3,10 +3,11 @@ them has completed.
 
 [Note: saved inputs in pooled blocks]
 A saved layer input crosses to the host after its forward and back to a device for its stage's recomputation
-([Note: saved inputs]). It used to go through torch's caching host allocator (`tensor.to("cpu", non_blocking=True)`),
-which rounds every block up to a power of two: Qwen3-4B's 80 MiB inputs of 4 rows took 128 MiB each, Qwen3-32B's
-160 MiB took 256, several GiB of page-locked memory a pass for nothing; and the setting that turns the rounding off
-is unsafe alone ([Note: unrounded page-locked blocks] in runtime/devices/pinned.py). Here the blocks come from the
+([Note: saved inputs]). By default it goes through torch's caching host allocator (`tensor.to("cpu",
+non_blocking=True)`), which rounds every block up to a power of two: Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
+each, Qwen3-32B's 160 MiB take 256, several GiB of page-locked memory a pass for nothing; and the setting that
+turns the rounding off is unsafe alone ([Note: unrounded page-locked blocks] in runtime/devices/pinned.py). Here
+the blocks come from the
 store's `HostMemory` (page-locked in place, [Note: exact-size pinned memory]) in size classes of `1 / SIZE_STEPS` of
 an octave, so a block is at most an eighth larger than what it holds, and inputs whose sizes differ a little (the
 last micro-batch's fewer rows, a batch padded a few tokens longer) still share blocks. A request takes the smallest
@@ -19,6 +20,9 @@ when the view is collected, after the backward's upload has been queued from it,
 unread. The block goes back with the last event of the copies that touched it (its download, then its upload:
 `Lease`), and is handed out again only once that event has completed (`event.query()`), so a new download never
 writes into a block an upload may still be reading, on whichever device or stream. Nothing waits for the GPU.
+
+Off by default (`POOLED`) until `bash scripts/device/bench.sh saved-input-blocks` has measured it on a GPU beside
+torch's cache; the tests turn it on.
 
 Free blocks stay for the next pass, as torch's cache kept them. After the measured pass, whose partition saves
 every layer's input, the blocks nobody holds go back with torch's (`release_idle`,
@@ -34,7 +38,9 @@ import torch
 
 from ..devices.pinned import HostMemory
 
-POOLED = True  # saved inputs in this pool; False: torch's caching host allocator, as before (a benchmark variant)
+# Saved inputs in this pool; False: torch's caching host allocator, as before. Off until measured on a GPU
+# (`bench.sh saved-input-blocks`): the pool is exact on CPU workers and the stream model, and has not run on CUDA yet.
+POOLED = False
 SIZE_STEPS = 8  # size classes per octave: a block holds at least 8/9 of its bytes
 MIN_BLOCK = 4096
 REUSE_UP_TO = 2  # a request takes a free block up to this many times its size before a new one is made
