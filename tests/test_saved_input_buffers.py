@@ -157,3 +157,14 @@ def test_torch_s_page_locked_cache_is_used_when_the_pool_is_off(monkeypatch):
         engine.synchronize()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("async_optimizer", [False, True])
+def test_training_with_the_pool_follows_the_staleness_rule(monkeypatch, async_optimizer):
+    """The exact and the lagged step, dropout replayed in the recomputation, three workers and the measured re-plan,
+    with every saved input in the pool: the weights and losses of plain PyTorch (the pool changes where inputs
+    wait, never what they hold: [Note: saved inputs in pooled blocks])."""
+    import test_training
+
+    monkeypatch.setattr(saved_input_buffers, "POOLED", True)
+    test_training.test_steps_follow_the_staleness_rule(async_optimizer, True, "measured", 3)

@@ -15,6 +15,7 @@ from accelerate_roundpipe.runtime.devices.cpu_device import CpuDevice
 from accelerate_roundpipe.runtime.devices.cuda_device import CudaDevice
 from accelerate_roundpipe.runtime.devices.device import Device, Payload
 from accelerate_roundpipe.runtime.devices.stream_model import ModelEvent, StreamModelDevice, StreamOrderError
+from accelerate_roundpipe.runtime.state import saved_input_buffers
 
 from toy_models import batch, tied_model
 
@@ -62,8 +63,11 @@ def stream_model(monkeypatch):
     monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
 
 
+@pytest.mark.parametrize("pooled", [False, True], ids=["torch-cache", "pooled-saved-inputs"])
 @pytest.mark.parametrize("case", CASES)
-def test_training_through_the_stream_model_equals_the_cpu_device(case, monkeypatch):
+def test_training_through_the_stream_model_equals_the_cpu_device(case, pooled, monkeypatch):
+    """Also with the saved inputs in the store's pooled blocks ([Note: saved inputs in pooled blocks])."""
+    monkeypatch.setattr(saved_input_buffers, "POOLED", pooled)
     plain_losses, plain_weights, plain_devices = train(case)
     assert all(type(d) is CpuDevice for d in plain_devices)
     monkeypatch.setattr(factory, "cpu_device_class", StreamModelDevice)
