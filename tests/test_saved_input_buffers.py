@@ -73,18 +73,53 @@ def test_a_block_is_reused_only_after_the_copy_that_last_touched_it():
     del second, third
 
 
-def test_a_smaller_input_reuses_a_larger_block_up_to_twice_its_size():
+def test_a_smaller_input_reuses_the_smallest_larger_free_block():
     pool = SavedInputBuffers(RecordingMemory())
-    big = pool.host_copy_target(torch.empty(4096, dtype=torch.float32), pool.lease())  # 16 KiB
-    del big
+    big = pool.host_copy_target(torch.empty(8192, dtype=torch.float32), pool.lease())  # 32 KiB
+    middle = pool.host_copy_target(torch.empty(4096, dtype=torch.float32), pool.lease())  # 16 KiB
+    big_block, middle_block = (t.untyped_storage().data_ptr() for t in (big, middle))
+    del big, middle
     gc.collect()
-    small = pool.host_copy_target(torch.empty(3000, dtype=torch.float32), pool.lease())  # 12,000 B: reuses it
-    assert pool.allocated == 1 and small.numel() == 3000
-    del small
-    gc.collect()
-    tiny = pool.host_copy_target(torch.empty(1500, dtype=torch.float32), pool.lease())  # 6,000 B: a block of its own
-    assert pool.allocated == 2
-    del tiny
+    small = pool.host_copy_target(torch.empty(3000, dtype=torch.float32), pool.lease())  # 12,000 B
+    assert small.untyped_storage().data_ptr() == middle_block and pool.allocated == 2
+    tiny = pool.host_copy_target(torch.empty(1500, dtype=torch.float32), pool.lease())  # 6,000 B: the 32 KiB one
+    assert tiny.untyped_storage().data_ptr() == big_block and pool.allocated == 2
+    del small, tiny
+
+
+def test_inputs_that_grow_get_power_of_two_blocks_and_the_pool_holds_about_what_torchs_cache_would():
+    """Where a request outgrows the free blocks (they are smaller) the new block is a power of two, so the next,
+    larger inputs reuse it. Passes of 72 inputs of 4 rows x L tokens x 256 hidden, the pool beside a model of
+    torch's power-of-two cache."""
+    def torch_cache(lengths):
+        free, made = {}, 0
+        for length in lengths:
+            size = 1 << (4 * length * 256 * 2 - 1).bit_length()
+            held = []
+            for _ in range(72):
+                if free.get(size):
+                    held.append(free[size].pop())
+                else:
+                    made += size
+                    held.append(size)
+            for block in held:
+                free.setdefault(block, []).append(block)
+        return made
+
+    def pool_bytes(lengths):
+        pool = SavedInputBuffers(RecordingMemory())
+        for length in lengths:
+            like = torch.empty(4 * length * 256, dtype=torch.bfloat16)
+            held = [pool.host_copy_target(like, pool.lease()) for _ in range(72)]
+            del held
+            gc.collect()
+        return pool.bytes
+
+    assert pool_bytes([96, 96]) == 72 * block_size(4 * 96 * 256 * 2)  # a fixed shape: exact blocks, reused
+    growing = list(range(40, 129, 2))  # 80 to 256 KiB a block
+    # at most the first shape's exact blocks more (outgrown at once: the measured pass's go back in the engine)
+    assert torch_cache(growing) < pool_bytes(growing) <= torch_cache(growing) + 72 * block_size(4 * 40 * 256 * 2)
+    assert pool_bytes([128] * 4) <= torch_cache([128] * 4)
 
 
 def test_release_idle_lets_go_of_the_free_blocks_and_keeps_those_held():
