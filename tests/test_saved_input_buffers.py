@@ -173,6 +173,8 @@ def test_saved_inputs_round_trip_through_the_pool_and_its_blocks_are_reused(stre
             for name, p in engine.named_parameters():
                 assert_close(p.grad, ref_grads[name], 1e-12, f"grad of {name}")
         assert pool.allocated == made  # the second pass's inputs took the first pass's blocks
+        view = engine.snapshot().store  # what telemetry and the benchmark records read
+        assert view.saved_input_pool_bytes == pool.bytes > 0 and view.saved_input_pool_peak_bytes == pool.peak_bytes
         gc.collect()
         assert pool.out_bytes == 0  # every saved input was read back and its block given back
         streams = {lease.event.stream.name for lease in leases}
@@ -187,6 +189,7 @@ def test_torch_s_page_locked_cache_is_used_when_the_pool_is_off(monkeypatch):
                                                      backward_stages=[2, 3, 4]))
     try:
         assert engine.host_store.saved_input_buffers is None
+        assert engine.snapshot().store.saved_input_pool_bytes is None
         x, mask, y = batch(rows=6)
         engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
         engine.synchronize()

@@ -56,6 +56,10 @@ class StoreView:
     optimizer_dtypes: tuple[str, ...]  # of the buckets with an optimizer copy; () when none has one
     pinned: bool
     resident_bytes: int | None = None  # the process's resident memory when the snapshot was taken; None: unknown
+    # the store's page-locked blocks for saved layer inputs (held and free) and the most at once; None: pool off
+    # ([Note: saved inputs in pooled blocks])
+    saved_input_pool_bytes: int | None = None
+    saved_input_pool_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)

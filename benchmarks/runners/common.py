@@ -78,9 +78,13 @@ def placement_of(engine) -> dict | None:
 def saved_inputs_of(engine) -> dict:
     """What the engine said of the layer inputs its passes keep for recomputation, from its snapshot: the lines
     (each with the process's resident memory then) and the most host bytes of them
-    ([Note: saved inputs in the start summary])."""
+    ([Note: saved inputs in the start summary]); with the store's pool on, its blocks now and at most."""
     snapshot = engine.snapshot()
-    return {"lines": list(snapshot.saved_input_lines), "most_host_bytes": snapshot.saved_input_host_bytes}
+    record = {"lines": list(snapshot.saved_input_lines), "most_host_bytes": snapshot.saved_input_host_bytes}
+    if snapshot.store.saved_input_pool_bytes is not None:  # [Note: saved inputs in pooled blocks]
+        record["pool_bytes"] = snapshot.store.saved_input_pool_bytes
+        record["pool_peak_bytes"] = snapshot.store.saved_input_pool_peak_bytes
+    return record
 
 
 def disk_bandwidth_of(bandwidth) -> dict:

@@ -33,13 +33,16 @@ def _dtype(tensor: torch.Tensor) -> str:
 
 def _store(store: HostStore) -> StoreView:
     buckets = store.buckets
+    pool = store.saved_input_buffers
     return StoreView(
         estimated_bytes=store.estimated_bytes,
         compute_bytes=sum(b.compute.numel() * b.compute.element_size() for b in buckets),
         compute_dtypes=tuple(sorted({_dtype(b.compute) for b in buckets})),
         optimizer_dtypes=tuple(sorted({_dtype(b.optim) for b in buckets if b.optim is not None})),
         pinned=store.pin_memory,
-        resident_bytes=resident_memory_bytes())
+        resident_bytes=resident_memory_bytes(),
+        saved_input_pool_bytes=None if pool is None else pool.bytes,
+        saved_input_pool_peak_bytes=None if pool is None else pool.peak_bytes)
 
 
 def _optimizer(optimizer: RoundPipeOptimizer | None) -> OptimizerView | None:
