@@ -143,9 +143,10 @@ def stream_model(monkeypatch):
 
 @pytest.mark.parametrize("recompute", ["stage", "layer"])
 def test_saved_inputs_round_trip_through_the_pool_and_its_blocks_are_reused(stream_model, recompute):
-    """Every pass saves layer inputs on the host (two workers, backward stages); the second pass reuses the first's
-    blocks (nothing new is allocated), each block went back with the upload that read it, and the gradients are
-    plain PyTorch's."""
+    """Every pass saves layer inputs on the host (two workers, backward stages) and hands activations from one
+    worker to the other through it; later passes reuse the first's blocks (how many are out at once depends on the
+    threads' timing, so a few more may be made, never a pass's worth each pass), each block went back with the
+    upload that read it, and the gradients are plain PyTorch's."""
     model = tied_model()
     x, mask, y = batch(rows=7)
     ref_loss, ref_grads = reference_loss_and_grads(model, x, mask, y)
@@ -162,7 +163,7 @@ def test_saved_inputs_round_trip_through_the_pool_and_its_blocks_are_reused(stre
             return leases[-1]
 
         pool.lease = recorded_lease
-        for step in range(2):
+        for step in range(6):
             engine.zero_grad(set_to_none=True)
             loss = engine.forward_backward(x, mask, labels=y, loss_fn=nn.functional.cross_entropy)
             engine.synchronize()
@@ -172,7 +173,7 @@ def test_saved_inputs_round_trip_through_the_pool_and_its_blocks_are_reused(stre
             assert_close(loss, ref_loss, 1e-12, "loss")
             for name, p in engine.named_parameters():
                 assert_close(p.grad, ref_grads[name], 1e-12, f"grad of {name}")
-        assert pool.allocated == made  # the second pass's inputs took the first pass's blocks
+        assert pool.allocated < 2 * made  # six passes made fewer blocks than two passes' worth: reused
         view = engine.snapshot().store  # what telemetry and the benchmark records read
         assert view.saved_input_pool_bytes == pool.bytes > 0 and view.saved_input_pool_peak_bytes == pool.peak_bytes
         gc.collect()

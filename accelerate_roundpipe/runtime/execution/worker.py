@@ -220,7 +220,14 @@ class Worker:
         return as_tuple(out, f"layer {layer_index} ({copy.kind})")
 
     def _send_next(self, job: TaskJob, tensors: tuple) -> Payload:
-        return self.device.send(tensors, keep_on_device=job.next_worker == self.device.index)
+        """The task's outputs for the next task of the round: kept on this device for this worker; for another
+        worker, through the host into the store's pooled blocks where that pool is on (its task's `receive` reads
+        them back once: [Note: saved inputs in pooled blocks]); for the caller, in torch's page-locked cache (the
+        caller keeps what it reads)."""
+        if job.next_worker == self.device.index:
+            return self.device.send(tensors, keep_on_device=True)
+        pooled = self.saved_buffers if job.next_worker is not None else None
+        return self.device.send(tensors, keep_on_device=False, buffers=pooled)
 
     # ----------------------------------------------------------------- task kinds
 
