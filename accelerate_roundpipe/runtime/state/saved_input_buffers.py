@@ -3,20 +3,21 @@ them has completed.
 
 [Note: saved inputs in pooled blocks]
 A saved layer input crosses to the host after its forward and back to a device for its stage's recomputation
-([Note: saved inputs]). By default it goes through torch's caching host allocator (`tensor.to("cpu",
-non_blocking=True)`), which rounds every block up to a power of two: Qwen3-4B's 80 MiB inputs of 4 rows take 128 MiB
-each, Qwen3-32B's 160 MiB take 256, several GiB of page-locked memory a pass for nothing; and the setting that
-turns the rounding off is unsafe alone ([Note: unrounded page-locked blocks] in runtime/devices/pinned.py). Here
-the blocks come from the store's `HostMemory` (page-locked in place, [Note: exact-size pinned memory]) in size
-classes of `1 / SIZE_STEPS` of an octave, so a block is at most an eighth larger than what it holds, and inputs whose sizes differ a little (the
-last micro-batch's fewer rows, a batch padded a few tokens longer) still share blocks. A request takes the smallest
-ready free block of its size or larger before a new block is made. Where sizes grow from pass to pass (a batch padded
-to its longest row, a sequence-length schedule) a block made at the exact size would be outgrown by the next pass
-and stranded, so a new block is made at the next power of two whenever smaller free blocks show that growth, as
-torch's cache makes every block; what growing sizes cost beyond torch's cache is then at most the exact blocks made
-before the growth showed. Modelled over 1,000 passes of 72 inputs of 4 rows x L tokens x 2,560 (Qwen3-4B's): at a
-fixed L the pool holds 0.63x what torch's cache holds, with L growing from 300 to 1,024 or drawn at random from that
-range 1.11x, from 64 to 4,096 at random 0.76x (`tests/test_saved_input_buffers.py` keeps a model of torch's cache).
+([Note: saved inputs]). By default it goes through torch's caching host allocator
+(`tensor.to("cpu", non_blocking=True)`), which rounds every block up to a power of two: Qwen3-4B's 80 MiB inputs of
+4 rows take 128 MiB each, Qwen3-32B's 160 MiB take 256, several GiB of page-locked memory a pass for nothing; and
+the setting that turns the rounding off is unsafe alone ([Note: unrounded page-locked blocks] in
+runtime/devices/pinned.py). Here the blocks come from the store's `HostMemory` (page-locked in place,
+[Note: exact-size pinned memory]) in size classes of `1 / SIZE_STEPS` of an octave, so a block is at most an eighth
+larger than what it holds, and inputs whose sizes differ a little (the last micro-batch's fewer rows, a batch padded
+a few tokens longer) still share blocks. A request takes the smallest ready free block of its size or larger before
+a new block is made. Where sizes grow from pass to pass (a batch padded to its longest row, a sequence-length
+schedule) a block made at the exact size would be outgrown by the next pass and stranded, so a new block is made at
+the next power of two whenever smaller free blocks show that growth, as torch's cache makes every block; what
+growing sizes cost beyond torch's cache is then at most the exact blocks made before the growth showed. Modelled
+over 1,000 passes of 72 inputs of 4 rows x L tokens x 2,560 (Qwen3-4B's): at a fixed L the pool holds 0.63x what
+torch's cache holds, with L growing from 300 to 1,024 or drawn at random from that range 1.11x, from 64 to 4,096 at
+random 0.76x (`tests/test_saved_input_buffers.py` keeps a model of torch's cache).
 
 The activations one worker hands to a task on another worker (several GPUs) take the same path: one `receive`
 reads each back, so they use the same blocks (`Worker._send_next`); what the caller reads (a pass's outputs and
