@@ -207,3 +207,18 @@ def test_training_with_the_pool_follows_the_staleness_rule(monkeypatch, async_op
 
     monkeypatch.setattr(saved_input_buffers, "POOLED", True)
     test_training.test_steps_follow_the_staleness_rule(async_optimizer, True, "measured", 3)
+
+
+def test_a_block_given_back_while_the_pool_is_locked_does_not_wait_for_the_lock():
+    """A finalizer may run inside the garbage collector while its thread holds the pool's lock (an allocation in
+    `_take`); it files the block back without the lock, and the next holder takes it in."""
+    import threading
+
+    pool = SavedInputBuffers(RecordingMemory())
+    block = pool._take(4096)  # a block out of the pool, as a payload holds it
+    with pool._lock:  # as inside _take
+        giver = threading.Thread(target=pool._give, args=(block, pool.lease()))
+        giver.start()
+        giver.join(timeout=5)
+        assert not giver.is_alive()
+    assert pool.free_bytes() == 4096 and pool.out_bytes == 0

@@ -39,6 +39,7 @@ every layer's input, the blocks nobody holds go back with torch's (`release_idle
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -78,17 +79,34 @@ class Lease:
 
 class SavedInputBuffers:
     """Page-locked blocks for saved layer inputs ([Note: saved inputs in pooled blocks]). Shared by the workers
-    (a backward may read an input another worker saved); every change goes through the lock, and the finalizers
-    that give blocks back run on whichever thread drops a payload."""
+    (a backward may read an input another worker saved); every change goes through the lock. The finalizers that
+    give blocks back run on whichever thread drops a payload, and may run inside the garbage collector at any
+    allocation, this pool's own included, while that thread holds the lock: so they take no lock and only append
+    to `_returned` (a deque's append is atomic), which the next holder of the lock files back."""
 
     def __init__(self, memory: HostMemory) -> None:
         self.memory = memory
         self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}  # block size -> (block, its last event)
+        self._returned: collections.deque[tuple[torch.Tensor, object]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes = 0  # every block made and not let go of (free or held by a payload)
-        self.out_bytes = 0  # blocks held by payloads
+        self._out_bytes = 0  # blocks held by payloads, less those in `_returned`
         self.peak_bytes = 0  # the most `bytes` so far
         self.allocated = 0  # blocks made so far: flat in the steady state, when every input reuses one
+
+    def _file_returned(self) -> None:
+        """Under the lock: the blocks finalizers gave back, into the free lists."""
+        while self._returned:
+            block, event = self._returned.popleft()
+            self._out_bytes -= block.numel()
+            self._free.setdefault(block.numel(), []).append((block, event))
+
+    @property
+    def out_bytes(self) -> int:
+        """Blocks held by payloads."""
+        with self._lock:
+            self._file_returned()
+            return self._out_bytes
 
     @staticmethod
     def block_size(nbytes: int) -> int:
@@ -113,6 +131,7 @@ class SavedInputBuffers:
         row, a sequence-length schedule), so that later, larger inputs reuse it as they would in torch's cache
         instead of stranding a block of every size on the way ([Note: saved inputs in pooled blocks])."""
         with self._lock:
+            self._file_returned()
             growing = False
             for held in sorted(self._free):
                 free = self._free[held]
@@ -122,23 +141,22 @@ class SavedInputBuffers:
                 for index, (block, event) in enumerate(free):
                     if event is None or event.query():  # no copy can still read or write it
                         del free[index]
-                        self.out_bytes += held
+                        self._out_bytes += held
                         return block
             if growing:
                 size = max(size, 1 << (size - 1).bit_length())
             self.allocated += 1
             self.bytes += size
-            self.out_bytes += size
+            self._out_bytes += size
             self.peak_bytes = max(self.peak_bytes, self.bytes)
         return self.memory.empty(size, torch.uint8)
 
     def _give(self, block: torch.Tensor, lease: Lease) -> None:
-        with self._lock:
-            self.out_bytes -= block.numel()
-            self._free.setdefault(block.numel(), []).append((block, lease.event))
+        self._returned.append((block, lease.event))  # no lock: see the class's docstring
 
     def free_bytes(self) -> int:
         with self._lock:
+            self._file_returned()
             return sum(size * len(blocks) for size, blocks in self._free.items())
 
     def release_idle(self) -> int:
@@ -146,6 +164,7 @@ class SavedInputBuffers:
         Returns the bytes let go of. Waits for the devices, as `HostMemory.give_back` does: call it between passes,
         where the measured pass's blocks go back."""
         with self._lock:
+            self._file_returned()
             idle = [block for blocks in self._free.values() for block, _ in blocks]
             self._free.clear()
             freed = sum(block.numel() for block in idle)
@@ -158,5 +177,6 @@ class SavedInputBuffers:
         """The engine closed ([Note: memory freed at close]): the free blocks go; the store's `HostMemory` unlocks
         every block it locked."""
         with self._lock:
+            self._file_returned()
             self._free.clear()
-            self.bytes = self.out_bytes
+            self.bytes = self._out_bytes
