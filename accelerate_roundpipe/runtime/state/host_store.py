@@ -52,9 +52,10 @@ def uninitialized(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """[Note: bucket flats filled once]
     A bucket's compute copy and optimizer copy are flat buffers the parameters are copied into, each at an
     `ALIGN`-ed offset, the bucket padded to `pad_multiple`. They were made with `torch.zeros` and then copied into:
-    two passes over every byte, where the copy alone writes all but the alignment gaps. On this repository's
-    2-core box the zeroing was 0.37 s of the 0.93 s that wrapping the 168M convergence preset took (a model of 8B
-    zeroes 48 GB of compute and optimizer copies before copying into them). The buffers are now made uninitialized
+    two passes over every byte, where the copy alone writes all but the alignment gaps (a model of 8B zeroed 48 GB
+    of compute and optimizer copies before copying into them). On this repository's 2-core box, idle, wrapping the
+    168M convergence preset with its optimizer took 0.26-0.30 s before and 0.20-0.24 s after (three runs each;
+    not measured on a GPU's host yet). The buffers are now made uninitialized
     and, after the copy, only the gaps between parameters and the padding are zeroed (`_gaps`), so every byte is
     written once and the contents are what zeros-then-copy gave (a gap is never a parameter, but whole-flat reads
     see it: uploads, norms, swap files). Tests replace this function to fill new buffers with NaN."""
