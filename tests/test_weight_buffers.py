@@ -164,3 +164,24 @@ def test_buffers_of_one_size_and_age_in_two_dtypes_are_trimmed():
     assert pool.take(8, torch.float32) is not None and pool.take(8, torch.bfloat16) is not None
     pool.trim_to(0)
     assert pool.idle_bytes == 0
+
+
+def test_idle_buffers_go_back_when_the_running_task_waits_for_its_versions_and_nothing_is_queued():
+    """The running task still has uploads to issue (a version being written), so a prefetch would wait for them
+    ([Note: the running task's uploads first]); with no next job queued none will follow, and the idle buffers go
+    back at once instead of staying while the task computes (a flake of the test above found them kept)."""
+    from types import SimpleNamespace
+
+    from accelerate_roundpipe.runtime.execution.residency import ParamResidency
+
+    residency = ParamResidency.__new__(ParamResidency)
+    residency.buffers = WeightBuffers()
+    residency.buffers.give([torch.empty(256)], "e")  # 1 KiB idle
+    residency.device = _Tracked(allocated=10_000)
+    running = SimpleNamespace(unissued=[(0, None)])
+    residency.prefetch(None, running)
+    assert residency.buffers.idle_bytes == 0 and residency._deferred is None
+    residency.buffers.give([torch.empty(256)], "e2")
+    queued = _Job(limit=0)
+    residency.prefetch(queued, running)  # a next job: deferred, its prefetch trims when it runs
+    assert residency._deferred is queued and residency.buffers.idle_bytes == 1024

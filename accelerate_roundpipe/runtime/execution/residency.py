@@ -362,6 +362,8 @@ class ParamResidency:
         Then the idle weight buffers go back to the allocator ([Note: idle buffers given back at the prefetch])."""
         if running is not None and running.unissued:  # `take` has just issued what of it was written
             self._deferred, self._deferred_following = job, following
+            if job is None and GIVE_BACK_IDLE_AT_PREFETCH:  # no prefetch will follow to give them back
+                self.buffers.trim_to(self._idle_room(None))
             return
         self._deferred = self._deferred_following = None
         try:
