@@ -357,7 +357,9 @@ class Device(abc.ABC):
 
     # -------------------------------------------------------------- device -> host
 
-    def _download(self, tensors, stream, track: str = "download") -> tuple[tuple, object]:
+    def _download(self, tensors, stream, track: str = "download", target=None) -> tuple[tuple, object]:
+        """Copies of `tensors` in page-locked host memory and the event after them: new memory (`_to_host`), or
+        `target(tensor)`'s (a pooled block: [Note: saved inputs in pooled blocks])."""
         stream.wait_stream(self.compute_stream)
         with self._on_stream(stream):
             begin, finish = self._traced(stream, track, tensors)
@@ -367,7 +369,11 @@ class Device(abc.ABC):
                 if t is None:
                     out.append(None)
                     continue
-                out.append(self._to_host(t.detach()))
+                if target is None:
+                    out.append(self._to_host(t.detach()))
+                else:
+                    out.append(target(t))
+                    self._copy_to_host(out[-1], t.detach())
                 self._hold(t, stream)
             finish()
             return tuple(out), stream.record_event()
@@ -379,35 +385,18 @@ class Device(abc.ABC):
         if keep_on_device:
             return Payload(tuple(None if t is None else t.detach() for t in tensors), None, self.index)
         faults.point("transfer.download")
-        if buffers is not None:
-            return self._download_pooled(tensors, buffers)
-        host, event = self._download(tensors, self.act_out, track="activation download")
-        return Payload(host, event)
+        if buffers is None:
+            host, event = self._download(tensors, self.act_out, track="activation download")
+            return Payload(host, event)
+        lease = buffers.lease()
+        host, event = self._download(tensors, self.act_out, "activation download",
+                                     target=lambda t: self._pooled_target(buffers, t, lease))
+        lease.touched_by(event)  # until an upload reads them, the blocks wait for this download
+        return Payload(host, event, lease=lease)
 
     def _pooled_target(self, buffers, like: torch.Tensor, lease) -> torch.Tensor:
         """Page-locked host memory for a copy of `like` from `buffers`."""
         return buffers.host_copy_target(like, lease)
-
-    def _download_pooled(self, tensors, buffers) -> Payload:
-        stream = self.act_out
-        stream.wait_stream(self.compute_stream)
-        lease = buffers.lease()
-        with self._on_stream(stream):
-            begin, finish = self._traced(stream, "activation download", tensors)
-            begin()
-            out = []
-            for t in tensors:
-                if t is None:
-                    out.append(None)
-                    continue
-                target = self._pooled_target(buffers, t, lease)
-                self._copy_to_host(target, t.detach())
-                self._hold(t, stream)
-                out.append(target)
-            finish()
-            event = stream.record_event()
-        lease.touched_by(event)  # until an upload reads them, the blocks wait for this download
-        return Payload(tuple(out), event, lease=lease)
 
     def download_grads_into(self, grads: list[torch.Tensor], outs: list[torch.Tensor]) -> Payload:
         """Copy each flat device gradient into the host buffer `outs[i]` (or, for a bucket kept on a device, the device
