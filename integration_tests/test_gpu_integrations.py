@@ -67,38 +67,40 @@ def test_trainer_on_a_gpu_worker(tmp_path=None):
     ours.roundpipe_engine.close()
 
 
-def test_accelerate_loop_on_a_gpu_worker():
-    import accelerate
+def accelerate_loop(accelerator, batch_size: int):
+    """(model, last batch, losses) of STEPS steps of a stock Accelerate loop (clipping at 1.0) on the tiny model."""
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
+
+    tokenizer, rows = _data()
+    model = _model(len(tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = DataLoader(rows, batch_size=batch_size, collate_fn=default_data_collator)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    losses = []
+    for _, batch in zip(range(STEPS), loader):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, batch, losses
+
+
+def test_accelerate_loop_on_a_gpu_worker():
+    import accelerate
 
     from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
     from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
 
-    tokenizer, rows = _data()
-
-    def run(accelerator):
-        model = _model(len(tokenizer))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        loader = DataLoader(rows, batch_size=4, collate_fn=default_data_collator)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        model.train()
-        losses = []
-        for _, batch in zip(range(STEPS), loader):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return model, batch, losses
-
     reset_accelerate_state()
-    _, _, expected = run(accelerate.Accelerator())
+    _, _, expected = accelerate_loop(accelerate.Accelerator(), batch_size=4)
     reset_accelerate_state()
     accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(devices=["cuda:0"], num_microbatches=2,
                                                                         async_optimizer=False))
-    model, batch, losses = run(accelerator)
+    model, batch, losses = accelerate_loop(accelerator, batch_size=4)
     assert batch["input_ids"].device.type == "cpu"  # batches stay on the host
     assert all(p.device.type == "cpu" for p in model.parameters())
     worst = max(abs(a - b) for a, b in zip(losses, expected))

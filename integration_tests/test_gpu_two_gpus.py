@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from test_gpu_integrations import GPU_ATOL, STEPS, _data, _losses, _model, one_gpu
+from test_gpu_integrations import GPU_ATOL, STEPS, _data, _losses, _model, accelerate_loop, one_gpu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -65,36 +65,16 @@ def test_trainer_on_two_gpus_equals_the_stock_trainer_and_one_gpu(tmp_path=None)
 
 def test_accelerate_loop_on_two_gpus_trains_as_the_stock_loop():
     import accelerate
-    from torch.utils.data import DataLoader
-    from transformers import default_data_collator
 
     from accelerate_roundpipe import RoundPipeAccelerator, RoundPipePlugin
     from accelerate_roundpipe.compat.accelerate_internals import reset_accelerate_state
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    tokenizer, rows = _data()
-
-    def run(accelerator):
-        model = _model(len(tokenizer))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        loader = DataLoader(rows, batch_size=8, collate_fn=default_data_collator)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        model.train()
-        losses = []
-        for _, batch in zip(range(STEPS), loader):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return model, losses
-
     reset_accelerate_state()
-    _, expected = run(accelerate.Accelerator())
+    _, _, expected = accelerate_loop(accelerate.Accelerator(), batch_size=8)
     reset_accelerate_state()
     accelerator = RoundPipeAccelerator(roundpipe_plugin=RoundPipePlugin(devices=TWO.split(","), num_microbatches=4))
-    model, losses = run(accelerator)
+    model, _, losses = accelerate_loop(accelerator, batch_size=8)
     engine = accelerator.roundpipe_engine(model)
     assert [str(d.device) for d in engine.devices] == TWO.split(",")
     worst = max(abs(a - b) for a, b in zip(losses, expected))

@@ -222,13 +222,16 @@ def test_what_the_store_still_allocates_on_the_host(tmp_path):
         engine.close()
 
 
-def test_on_gpus_the_saved_inputs_are_counted_as_torchs_page_locked_cache_allocates_them(monkeypatch):
-    """[Note: saved inputs in the start summary]: with the store's pool off (the default), a saved input from a GPU
-    takes a power-of-two block of torch's page-locked cache, so the first pass's host room is weighed against that
-    (here modelled on CPU workers by counting their inputs as a GPU's would be)."""
+@pytest.mark.parametrize("pooled", [False, True], ids=["torch-cache", "pooled-blocks"])
+def test_on_gpus_the_saved_inputs_are_counted_as_their_page_locked_blocks_hold_them(monkeypatch, pooled):
+    """A saved input downloaded from a GPU is counted as the block that holds it, so the first pass's host room is
+    weighed against that (here modelled on CPU workers by counting their inputs as a GPU's would be):
+    - the store's pool off (the default): a power-of-two block of torch's page-locked cache
+      ([Note: saved inputs in the start summary]);
+    - the pool on: the same 10 KiB inputs take 10 KiB blocks ([Note: saved inputs in pooled blocks])."""
     from accelerate_roundpipe.runtime.state import saved_input_buffers
 
-    monkeypatch.setattr(saved_input_buffers, "POOLED", False)
+    monkeypatch.setattr(saved_input_buffers, "POOLED", pooled)
     monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
     engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static"))
     try:
@@ -236,27 +239,12 @@ def test_on_gpus_the_saved_inputs_are_counted_as_torchs_page_locked_cache_alloca
         ids = torch.randint(0, 64, (8, 40), generator=torch.Generator().manual_seed(1))
         engine.forward_backward(input_ids=ids, labels=ids)
         sizing = engine._microbatches.sizing
-        # 4 micro-batches of 2 rows x 40 tokens x 16 hidden x 8 bytes = 10 KiB each, a 16 KiB block: 1.6 times
-        assert sizing.input_bytes == 8 * 40 * 16 * 8 * 16384 // 10240 == 64 * 1024
-        assert "6 layer inputs of 64.000 KiB as allocated, more than the" in sizing.stages_reason(8)
-        engine.synchronize()
-    finally:
-        engine.close()
-
-
-def test_on_gpus_the_saved_inputs_are_counted_as_the_pools_blocks_hold_them(monkeypatch):
-    """[Note: saved inputs in pooled blocks]: with the store's pool the same 10 KiB inputs take 10 KiB blocks, so
-    the first pass counts them at their size."""
-    from accelerate_roundpipe.runtime.state import saved_input_buffers
-
-    monkeypatch.setattr(saved_input_buffers, "POOLED", True)
-    monkeypatch.setattr(first_pass, "SAVED_HOST_SHARE", 0.0)
-    engine = wrap_model(_model(), RoundPipeConfig(devices=["cpu", "cpu"], summary=False, plan="static"))
-    try:
-        engine._microbatches.sizer.saved_on_host = False  # as on GPUs
-        ids = torch.randint(0, 64, (8, 40), generator=torch.Generator().manual_seed(1))
-        engine.forward_backward(input_ids=ids, labels=ids)
-        assert engine._microbatches.sizing.input_bytes == 8 * 40 * 16 * 8 == 40 * 1024
+        if pooled:
+            assert sizing.input_bytes == 8 * 40 * 16 * 8 == 40 * 1024
+        else:
+            # 4 micro-batches of 2 rows x 40 tokens x 16 hidden x 8 bytes = 10 KiB each, a 16 KiB block: 1.6 times
+            assert sizing.input_bytes == 8 * 40 * 16 * 8 * 16384 // 10240 == 64 * 1024
+            assert "6 layer inputs of 64.000 KiB as allocated, more than the" in sizing.stages_reason(8)
         engine.synchronize()
     finally:
         engine.close()

@@ -76,6 +76,12 @@ def test_cuda_dropout_replayed():
 def test_cuda_training_follows_staleness_rule(placement):
     """Also with the optimizer state on the GPU ([Note: optimizer placement]), whose steps are exact even with
     async_optimizer ([Note: device steps are exact])."""
+    check_staleness_rule(["cuda:0", "cuda:0"], placement)
+
+
+def check_staleness_rule(devices: list[str], placement: str) -> None:
+    """The exact and the lagged step on `devices` against plain PyTorch's staleness rule (tests/test_multi_gpu.py
+    runs it on two GPUs)."""
     import test_training
     from test_training import reference_training
 
@@ -84,7 +90,7 @@ def test_cuda_training_follows_staleness_rule(placement):
     for async_optimizer in (True, False):
         lagged = async_optimizer and placement == "host"
         ref_model, ref_losses = reference_training(model, batches, lagged, 4, False)
-        engine = RoundPipe(copy.deepcopy(model).float(), RoundPipeConfig(devices=["cuda:0", "cuda:0"],
+        engine = RoundPipe(copy.deepcopy(model).float(), RoundPipeConfig(devices=devices,
                                                                          num_microbatches=4,
                                                                          async_optimizer=async_optimizer,
                                                                          optimizer_placement=placement))

@@ -16,6 +16,8 @@ import copy
 
 import pytest
 import torch
+from test_gpu import check_staleness_rule, gpu_reference
+from test_gpu_optimizer_placement import batches, engine_training, plain_cuda_training
 from torch import nn
 
 from accelerate_roundpipe import RoundPipe, RoundPipeConfig
@@ -86,30 +88,13 @@ def test_the_measured_plan_spreads_the_work_over_both_gpus():
         engine.close()
 
 
-def _reference_with_dropout(model, x, mask, y, num_mb, devices, pass_index=0):
-    """Plain PyTorch on cuda:0 with each layer's dropout drawn as the engine draws it: the generator of the GPU the
-    layer's task runs on, seeded with the layer's stream seed ([Note: CUDA worker RNG])."""
-    from accelerate_roundpipe.runtime.execution.rng_streams import stream_seed
-
-    model = copy.deepcopy(model).cuda()
-    rows, loss = x.shape[0], 0.0
-    for mb, (xs, ms, ys) in enumerate(zip(*(torch.tensor_split(t.cuda(), num_mb) for t in (x, mask, y)))):
-        h = (xs, ms)
-        for index, layer in enumerate(model):
-            torch.cuda.manual_seed(stream_seed(0, pass_index, index, mb))
-            h = layer(*h) if isinstance(h, tuple) else layer(h)
-        part = nn.functional.cross_entropy(h, ys) * (xs.shape[0] / rows)
-        part.backward()
-        loss = loss + part.detach()
-    return loss.cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
-
-
 def test_dropout_is_replayed_on_the_gpu_that_recomputes():
     """A layer's dropout mask is drawn again in the recomputation; with two GPUs the forward and the backward of a
     layer may run on different GPUs, whose generators, seeded alike, draw the same masks."""
     model32 = tied_model(dropout=0.4).float()
     x, mask, y = batch(rows=9)
-    ref_loss, ref_grads = _reference_with_dropout(model32, x.float(), mask, y, 3, ["cuda:0", "cuda:1"])
+    # plain PyTorch on cuda:0 with each layer seeded as the engine seeds the GPU its task runs on
+    ref_loss, ref_grads = gpu_reference(model32, x.float(), mask, y, num_mb=3)
     engine = RoundPipe(copy.deepcopy(model32), RoundPipeConfig(devices=["cuda:0", "cuda:1"], num_microbatches=3,
                                                                seed=0, plan="static"))
     try:
@@ -122,52 +107,14 @@ def test_dropout_is_replayed_on_the_gpu_that_recomputes():
         engine.close()
 
 
-STEPS, MAX_NORM, LR = 4, 0.05, 3e-3
-
-
-def _steps():
-    return [[batch(rows=8, seed=100 + 2 * k + j) for j in range(2)] for k in range(STEPS)]  # 2 passes a step
-
-
-def _plain_training(model, data) -> dict[str, torch.Tensor]:
-    """Plain PyTorch on cuda:0: fused AdamW, clip_grad_norm_, two accumulated passes a step."""
-    model = copy.deepcopy(model).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
-    for step in data:
-        for x, mask, y in step:
-            h = (x.float().cuda(), mask.cuda())
-            for layer in model:
-                h = layer(*h) if isinstance(h, tuple) else layer(h)
-            nn.functional.cross_entropy(h, y.cuda()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {n: p.detach().cpu() for n, p in model.state_dict().items()}
-
-
-def _engine_training(model, data, devices, placement, budget=None, async_optimizer=False):
-    engine = RoundPipe(copy.deepcopy(model), RoundPipeConfig(
-        devices=devices, num_microbatches=2, seed=0, optimizer_placement=placement, optimizer_device_budget=budget,
-        async_optimizer=async_optimizer))
-    optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=LR, weight_decay=0.1))
-    for step in data:
-        for x, mask, y in step:
-            engine.forward_backward(x.float(), mask, labels=y, loss_fn=nn.functional.cross_entropy)
-        optimizer.clip_grad_norm_(MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-    engine.synchronize()
-    return engine, {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
-
-
 @pytest.mark.parametrize("placement", ["host", "device", "auto"])
 def test_every_placement_trains_as_plain_torch(placement):
     """With the optimizer state on the GPUs the buckets are homed on both ([Note: optimizer placement]: each on the
     device with the most room), so tasks on one GPU read the weights of buckets stepped on the other."""
     model = tied_model().float()
-    data = _steps()
-    expected = _plain_training(model, data)
-    engine, weights = _engine_training(model, data, ["cuda:0", "cuda:1"], placement)
+    data = batches()
+    expected = plain_cuda_training(model, data)
+    engine, weights = engine_training(model, data, ["cuda:0", "cuda:1"], placement)
     try:
         where = engine.optimizer_placement
         if placement == "host":
@@ -183,29 +130,4 @@ def test_every_placement_trains_as_plain_torch(placement):
 
 def test_the_lagged_step_on_two_gpus_follows_the_staleness_rule():
     """`async_optimizer=True` with the state on the host: iteration k computes with the weights after step k-2."""
-    import test_training
-    from test_training import reference_training
-
-    model = tied_model()
-    batches = [batch(rows=9, seed=10 + k) for k in range(6)]
-    for async_optimizer in (True, False):
-        ref_model, ref_losses = reference_training(model, batches, async_optimizer, 4, False)
-        engine = RoundPipe(copy.deepcopy(model).float(), RoundPipeConfig(
-            devices=["cuda:0", "cuda:1"], num_microbatches=4, async_optimizer=async_optimizer,
-            optimizer_placement="host"))
-        try:
-            optimizer = engine.wrap_optimizer(torch.optim.AdamW(engine.parameters(), lr=test_training.LRS[0],
-                                                                weight_decay=0.1))
-            for k, (x, mask, y) in enumerate(batches):
-                loss = engine.forward_backward(x.float(), mask, labels=y, loss_fn=nn.functional.cross_entropy)
-                assert_close(loss.double(), ref_losses[k], 1e-4, f"loss {k} (async={async_optimizer})")
-                for group in optimizer.param_groups:
-                    group["lr"] = test_training.LRS[k]
-                optimizer.step()
-                optimizer.zero_grad()
-            engine.synchronize()
-            reference = dict(ref_model.named_parameters())
-            for name, p in engine.module.named_parameters():
-                assert_close(p.detach().double(), reference[name].detach(), 1e-4, f"weight {name}")
-        finally:
-            engine.close()
+    check_staleness_rule(["cuda:0", "cuda:1"], "host")
